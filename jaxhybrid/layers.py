@@ -1,0 +1,63 @@
+"""How jaxhybrid calls one layer: the convention shared by the pipeline and the profiler.
+
+A layer is any `flax.linen.Module`. Its `__call__(self, x)` takes the previous layer's
+output (any pytree) and returns the next activation (any pytree). If `__call__` accepts a
+keyword `train`, it gets `train=True` while training and `train=False` otherwise
+(BatchNorm: `use_running_average=not train`; Dropout: `deterministic=not train`).
+
+Collections other than "params" (e.g. "batch_stats") are *state*: mutable while training,
+frozen in evaluation. Dropout draws from the "dropout" rng, which is derived per
+microbatch and per layer with `layer_rng`, so every layer of every microbatch gets its own
+reproducible stream however the layers are split into stages.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+PyTree = Any
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_train(cls: type) -> bool:
+    try:
+        return "train" in inspect.signature(cls.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def takes_train(layer: nn.Module) -> bool:
+    """Whether `layer.__call__` accepts the `train` keyword."""
+    return _takes_train(type(layer))
+
+
+def layer_rng(key: jax.Array, microbatch: jax.Array | int, layer_index: int) -> jax.Array:
+    """The dropout key of one layer on one (global) microbatch."""
+    return jax.random.fold_in(jax.random.fold_in(key, microbatch), layer_index)
+
+
+def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = True):
+    """Initialises one layer; returns (unboxed variables, output on `x`)."""
+    params_key, dropout_key = jax.random.split(key)
+    kwargs = {"train": train} if takes_train(layer) else {}
+    out, variables = layer.init_with_output(
+        {"params": params_key, "dropout": dropout_key}, x, **kwargs)
+    return nn.meta.unbox(dict(variables)), out
+
+
+def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
+                rng: jax.Array | None = None):
+    """Runs one layer. Returns (output, new state) where new state holds the
+    non-"params" collections (updated when training, unchanged otherwise)."""
+    kwargs = {"train": train} if takes_train(layer) else {}
+    state = {k: v for k, v in variables.items() if k != "params"}
+    rngs = {"dropout": rng} if (train and rng is not None) else {}
+    if train and state:
+        y, new_state = layer.apply(variables, x, rngs=rngs, mutable=list(state), **kwargs)
+        return y, nn.meta.unbox(dict(new_state))
+    y = layer.apply(variables, x, rngs=rngs, **kwargs)
+    return y, state

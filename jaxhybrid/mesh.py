@@ -1,0 +1,45 @@
+"""The device mesh: axes ("data", "pipe")."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DATA, PIPE = "data", "pipe"
+
+
+def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A Mesh with axes ("data", "pipe") over `devices` (default: all devices).
+
+    One of `data` / `pipe` may be -1: it takes the devices that are left. Device order
+    along "pipe" is the order of `devices` (e.g. from a plan's device mapping), so
+    consecutive stages sit on consecutive devices of the list. Axes are `Auto` so flax
+    logical sharding constraints work inside the model.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if data == -1 and pipe == -1:
+        raise ValueError("make_mesh: at most one of data/pipe may be -1; set the other explicitly.")
+    for name, size in ((DATA, data), (PIPE, pipe)):
+        if size != -1 and (not isinstance(size, (int, np.integer)) or size < 1):
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int or -1.")
+    if data == -1:
+        if n % pipe:
+            raise ValueError(f"make_mesh: pipe={pipe} does not divide the {n} devices; "
+                             f"choose pipe from the divisors of {n}.")
+        data = n // pipe
+    if pipe == -1:
+        if n % data:
+            raise ValueError(f"make_mesh: data={data} does not divide the {n} devices; "
+                             f"choose data from the divisors of {n}.")
+        pipe = n // data
+    if data * pipe != n:
+        if data * pipe > n:
+            raise ValueError(
+                f"make_mesh: data={data} x pipe={pipe} = {data * pipe} devices, but only {n} "
+                f"are available; use sizes whose product is {n} (or pass devices=...).")
+        devices = devices[: data * pipe]
+    grid = np.array(devices, dtype=object).reshape(data, pipe)
+    return Mesh(grid, (DATA, PIPE), axis_types=(AxisType.Auto, AxisType.Auto))
