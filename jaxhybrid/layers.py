@@ -35,9 +35,17 @@ def takes_train(layer: nn.Module) -> bool:
     return _takes_train(type(layer))
 
 
+def raw_key(key: jax.Array) -> jax.Array:
+    """A typed PRNG key as its raw uint32 data (raw keys pack into flat buffers and can be
+    stashed between pipeline ticks; typed keys cannot)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
 def layer_rng(key: jax.Array, microbatch: jax.Array | int, layer_index: int) -> jax.Array:
-    """The dropout key of one layer on one (global) microbatch."""
-    return jax.random.fold_in(jax.random.fold_in(key, microbatch), layer_index)
+    """The dropout key (raw uint32 data) of one layer on one (global) microbatch."""
+    return jax.random.fold_in(jax.random.fold_in(raw_key(key), microbatch), layer_index)
 
 
 def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = True):

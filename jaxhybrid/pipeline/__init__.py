@@ -1,0 +1,6 @@
+"""The SPMD pipeline runtime: `Pipeline` runs heterogeneous Flax layers as stages."""
+from jaxhybrid.pipeline.api import Pipeline
+from jaxhybrid.pipeline.reference import reference_value_and_grad
+from jaxhybrid.schedules import SCHEDULE_NAMES, Schedule, make_schedule
+
+__all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULE_NAMES", "reference_value_and_grad"]

@@ -1,0 +1,262 @@
+"""`Pipeline`: heterogeneous Flax layers as pipeline stages on a ("data", "pipe") mesh."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid.layers import init_layer, raw_key
+from jaxhybrid.mesh import DATA, PIPE
+from jaxhybrid.pipeline import packing, runtime
+from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
+                                       even_boundaries, stage_ranges)
+from jaxhybrid.schedules import Schedule, make_schedule
+
+PyTree = Any
+
+
+class Pipeline:
+    """Runs `layers` (applied in order) as `mesh.shape["pipe"]` pipeline stages, each
+    replicated over `mesh.shape["data"]` data-parallel replicas.
+
+    Args:
+      layers: flax.linen Modules; each one's output pytree is the next one's input.
+      mesh: a Mesh with axes "data" and "pipe" (`jaxhybrid.make_mesh`).
+      num_microbatches: M; each data replica's batch is split into M microbatches.
+      schedule: "gpipe" | "1f1b".
+      boundaries: first layer index of stages 1..S-1; None = balanced default.
+      remat: "none" | "full" (recompute each stage from its input) | a
+        `jax.checkpoint_policies` name | a per-stage list of those | a list of one bool
+        per layer (recompute that layer) | "auto" (the planner's choice; no recompute
+        without a memory budget).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], *, mesh: Mesh, num_microbatches: int = 1,
+                 schedule: str = "1f1b", boundaries: Sequence[int] | None = None,
+                 remat: Any = "auto"):
+        self.layers = list(layers)
+        if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
+            raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
+        if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, PIPE}:
+            names = getattr(mesh, "axis_names", None)
+            raise ValueError(f"Pipeline: mesh must have exactly the axes ('data', 'pipe'), got "
+                             f"{names}; build it with jaxhybrid.make_mesh(data=..., pipe=...).")
+        self.mesh = mesh
+        self.num_stages = int(mesh.shape[PIPE])
+        self.data = int(mesh.shape[DATA])
+        if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
+            raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
+        self.num_microbatches = int(num_microbatches)
+        L, S = len(self.layers), self.num_stages
+        if S > L:
+            raise ValueError(f"Pipeline: {S} stages but only {L} layers; use a mesh with "
+                             f"pipe <= {L} or split the model into more layers.")
+        self.schedule = make_schedule(schedule, S, self.num_microbatches)
+        self.boundaries = (even_boundaries(L, S) if boundaries is None
+                           else check_boundaries(boundaries, L, S))
+        self.ranges = stage_ranges(self.boundaries, L)
+        self.remat = remat
+        self.programs = self._stage_programs(remat)
+        self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
+        self._cache: dict = {}
+
+    # --- stage set-up ---------------------------------------------------------------
+    def _stage_programs(self, remat) -> list[StageProgram]:
+        S, L = self.num_stages, len(self.layers)
+        if isinstance(remat, str):
+            if remat == "auto":
+                remat = "none"
+            per_stage, per_layer = [check_stage_remat(remat)] * S, [False] * L
+        elif isinstance(remat, (list, tuple)) and len(remat) == L and all(
+                isinstance(r, (bool, np.bool_)) for r in remat) and not (
+                len(remat) == S and any(isinstance(r, str) for r in remat)):
+            per_stage, per_layer = ["none"] * S, [bool(r) for r in remat]
+        elif isinstance(remat, (list, tuple)) and len(remat) == S:
+            per_stage, per_layer = [check_stage_remat(r) for r in remat], [False] * L
+        else:
+            raise ValueError(f"Pipeline: remat={remat!r} must be 'none', 'full', 'auto', a "
+                             f"jax.checkpoint_policies name, a list of {S} of those (one per "
+                             f"stage), or a list of {L} bools (one per layer).")
+        return [StageProgram(s, a, b, per_stage[s], tuple(per_layer[a:b]))
+                for s, (a, b) in enumerate(self.ranges)]
+
+    def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
+        abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), dict(v))
+                    for v in per_layer]
+        self._layer_vars = abstract
+        colls = sorted({c for v in abstract for c in v})
+        self.state_collections = [c for c in colls if c != "params"]
+        self.param_layouts = []
+        for a, b in self.ranges:
+            self.param_layouts.append({c: packing.layout_of([abstract[i].get(c, {}) for i in range(a, b)])
+                                       for c in ["params", *self.state_collections]})
+        self.param_len = packing.max_sizes(l["params"] for l in self.param_layouts)
+        self.state_len = {c: packing.max_sizes(l[c] for l in self.param_layouts)
+                          for c in self.state_collections}
+        self._cache.clear()
+
+    def _require_vars(self):
+        if self._layer_vars is None:
+            raise ValueError("Pipeline: call pipe.init(rng, sample_inputs) or pipe.pack(per_layer) first.")
+
+    def abstract_stage_vars(self, s: int):
+        a, b = self.ranges[s]
+        params = [self._layer_vars[i].get("params", {}) for i in range(a, b)]
+        state = [{c: v for c, v in self._layer_vars[i].items() if c != "params"} for i in range(a, b)]
+        return params, state
+
+    def stage_state_from_collections(self, s: int, by_coll: dict) -> list[dict]:
+        a, b = self.ranges[s]
+        return [{c: by_coll[c][k] for c in self.state_collections if c in self._layer_vars[i]}
+                for k, i in enumerate(range(a, b))]
+
+    def stage_state_to_collections(self, s: int, per_layer: list[dict]) -> dict:
+        return {c: [st.get(c, {}) for st in per_layer] for c in self.state_collections}
+
+    # --- variables ------------------------------------------------------------------
+    def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
+        """Initialises every layer (in order, on the first example of `sample_inputs`) and
+        returns packed variables {collection: {dtype: [S, length]}} sharded over "pipe"."""
+        x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
+        per_layer = []
+        for i, layer in enumerate(self.layers):
+            variables, x = jax.jit(functools.partial(init_layer, layer, train=False))(
+                jax.random.fold_in(rng, i), x)
+            per_layer.append(variables)
+        return self.pack(per_layer)
+
+    def pack(self, per_layer: Sequence[dict]) -> dict:
+        """Per-layer flax variable dicts -> packed, sharded stage variables."""
+        if len(per_layer) != len(self.layers):
+            raise ValueError(f"Pipeline.pack: got variables for {len(per_layer)} layers, the "
+                             f"pipeline has {len(self.layers)}.")
+        per_layer = [nn.meta.unbox(dict(v)) for v in per_layer]
+        self._set_layer_vars(per_layer)
+        sharding = NamedSharding(self.mesh, P(PIPE))
+        out = {}
+        for c in ["params", *self.state_collections]:
+            lengths = self.param_len if c == "params" else self.state_len[c]
+            rows = [packing.pack_numpy(self.param_layouts[s][c],
+                                       [per_layer[i].get(c, {}) for i in range(a, b)], lengths)
+                    for s, (a, b) in enumerate(self.ranges)]
+            out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
+        return out
+
+    def unpack(self, variables: dict) -> list[dict]:
+        """Packed variables -> list of per-layer flax variable dicts (numpy, portable)."""
+        self._require_vars()
+        host = jax.device_get(variables)
+        per_layer = [dict() for _ in self.layers]
+        for c in ["params", *self.state_collections]:
+            for s, (a, b) in enumerate(self.ranges):
+                row = {k: v[s] for k, v in host[c].items()}
+                trees = packing.unpack_numpy(self.param_layouts[s][c], row)
+                for k, i in enumerate(range(a, b)):
+                    if c in self._layer_vars[i]:
+                        per_layer[i][c] = trees[k]
+        return per_layer
+
+    # --- execution ------------------------------------------------------------------
+    def _microbatch(self, tree: PyTree, what: str) -> PyTree:
+        leaves = jax.tree.leaves(tree)
+        if not leaves:
+            raise ValueError(f"Pipeline: {what} is empty.")
+        batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
+        if len(batch) != 1 or None in batch:
+            raise ValueError(f"Pipeline: every leaf of {what} needs the same leading batch "
+                             f"dimension, got {sorted(map(str, batch))}.")
+        (b,) = batch
+        n = self.data * self.num_microbatches
+        if b % n:
+            raise ValueError(f"Pipeline: {what} batch {b} is not divisible by data x "
+                             f"num_microbatches = {self.data} x {self.num_microbatches} = {n}; "
+                             f"use a batch that is a multiple of {n}.")
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((b // n, *np.shape(a)[1:]), a.dtype), tree)
+
+    def _layouts(self, mb_inputs, mb_targets, loss_fn, train, rng):
+        key = ("layouts", jax.tree.structure(mb_inputs), str(mb_inputs), str(mb_targets),
+               loss_fn, train, rng is not None)
+        if key not in self._cache:
+            self._cache[key] = runtime.stage_layouts(self, mb_inputs, mb_targets, loss_fn, train,
+                                                     rng)
+        return self._cache[key]
+
+    def value_and_grad(self, loss_fn: Callable, *, train: bool = True) -> Callable:
+        """Returns f(variables, inputs, targets, rng=None) -> (loss, grads, new_variables).
+
+        loss is the mean of `loss_fn(outputs, targets)` over all microbatches of the
+        global batch; grads (same structure as variables["params"]) its gradient;
+        new_variables carry the updated mutable collections (e.g. batch_stats, updated
+        per microbatch in order, then averaged over data replicas)."""
+        self._require_vars()
+
+        def step(variables, inputs, targets, rng=None):
+            mb_in = self._microbatch(inputs, "inputs")
+            mb_tg = self._microbatch(targets, "targets")
+            rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
+            lay = self._layouts(mb_in, mb_tg, loss_fn, train,
+                                jax.ShapeDtypeStruct(rng_arg.shape, rng_arg.dtype) if rng is not None else None)
+            body = runtime.build_train_program(self, loss_fn, self.schedule, lay, mb_in, train,
+                                               rng is not None)
+            state = {c: variables[c] for c in self.state_collections}
+            loss, grads, new_state = jax.shard_map(
+                body, mesh=self.mesh,
+                in_specs=(P(PIPE), P(PIPE), P(DATA), P(DATA), P()),
+                out_specs=(P(), P(PIPE), P(PIPE)), check_vma=False,
+            )(variables["params"], state, inputs, targets, rng_arg)
+            return loss, grads, {**variables, **new_state}
+
+        return jax.jit(step)
+
+    def apply(self, variables: dict, inputs: PyTree, *, train: bool = False,
+              rng: jax.Array | None = None) -> PyTree:
+        """Forward pass of the whole model over the global batch; returns the last
+        layer's outputs (batch-major, sharded over "data"). Mutable state is not updated."""
+        self._require_vars()
+        key = ("apply", train, rng is not None)
+        if key not in self._cache:
+            self._cache[key] = jax.jit(functools.partial(self._apply, train=train))
+        return self._cache[key](variables, inputs, rng)
+
+    def _apply(self, variables, inputs, rng, *, train):
+        mb_in = self._microbatch(inputs, "inputs")
+        rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
+        lay = self._forward_layouts(
+            mb_in, train, jax.ShapeDtypeStruct(rng_arg.shape, rng_arg.dtype) if rng is not None else None)
+        fwd = make_schedule("gpipe", self.num_stages, self.num_microbatches)
+        fwd = Schedule("forward", fwd.num_stages, fwd.num_microbatches, fwd.fwd,
+                       np.full_like(fwd.bwd, -1))
+        body = runtime.build_forward_program(self, fwd, lay, train, rng is not None)
+        state = {c: variables[c] for c in self.state_collections}
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(PIPE), P(PIPE), P(DATA), P()),
+                             out_specs=P(DATA), check_vma=False)(
+            variables["params"], state, inputs, rng_arg)
+
+    def _forward_layouts(self, mb_in, train, rng):
+        """Boundary layouts for forward-only runs (no residuals needed)."""
+        acts, x = [packing.layout_of(mb_in)], mb_in
+        for s in range(self.num_stages):
+            params, state = self.abstract_stage_vars(s)
+            x = jax.eval_shape(lambda p, st, x, key, s=s: self.programs[s].apply(
+                self.layers, p, st, x, train=train, rng=key, microbatch=0)[0], params, state, x, rng)
+            acts.append(packing.layout_of(x))
+        return runtime.StageLayouts(
+            params=[l["params"] for l in self.param_layouts],
+            state=[{c: l[c] for c in self.state_collections} for l in self.param_layouts],
+            act=acts, grad=[], res=[], act_len=packing.max_sizes(acts[1:-1]), grad_len={},
+            res_len={})
+
+    # --- reporting ------------------------------------------------------------------
+    def padding_stats(self) -> dict:
+        """Parameter elements per stage, per-device buffer length and padding waste."""
+        self._require_vars()
+        used = [sum(n for _, n in l["params"].sizes) for l in self.param_layouts]
+        per_device = sum(self.param_len.values())
+        return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
+                    padding_waste=1.0 - sum(used) / max(1, per_device * self.num_stages))

@@ -1,0 +1,112 @@
+"""Layers -> pipeline stages: boundaries, remat choices and the stage forward function."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.layers import apply_layer, layer_rng
+
+PyTree = Any
+
+# A stage's remat setting: "none" | "full" | a jax.checkpoint_policies name.
+STAGE_REMAT_CHOICES = ("none", "full")
+
+
+def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
+    """First layer of stages 1..S-1 for the equal-layer-count split (extra layers go to
+    the earlier stages)."""
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return list(np.cumsum(sizes)[:-1].astype(int))
+
+
+def check_boundaries(boundaries: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    b = [int(x) for x in boundaries]
+    if len(b) != num_stages - 1:
+        raise ValueError(f"boundaries={b} has {len(b)} entries; a {num_stages}-stage pipeline needs "
+                         f"{num_stages - 1} (the first layer index of stages 1..{num_stages - 1}).")
+    if any(x < 1 or x > num_layers - 1 for x in b):
+        raise ValueError(f"boundaries={b} out of range: each must be in [1, {num_layers - 1}] "
+                         f"for {num_layers} layers.")
+    if any(x >= y for x, y in zip(b, b[1:])):
+        raise ValueError(f"boundaries={b} must be strictly increasing (every stage needs >= 1 layer).")
+    return b
+
+
+def stage_ranges(boundaries: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
+    edges = [0, *boundaries, num_layers]
+    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def _policy(name: str):
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if policy is None or name.startswith("_"):
+        names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
+        raise ValueError(f"remat {name!r} is neither 'none', 'full', 'auto' nor a "
+                         f"jax.checkpoint_policies name ({', '.join(names)}).")
+    return policy
+
+
+def check_stage_remat(choice: str) -> str:
+    if choice not in STAGE_REMAT_CHOICES:
+        _policy(choice)
+    return choice
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+    """How one stage computes: its layers [start, stop), a stage-wide remat setting, and
+    per-layer recompute flags (a plan's choice)."""
+    index: int
+    start: int
+    stop: int
+    stage_remat: str = "none"
+    layer_remat: tuple = ()          # bool per layer of the stage
+
+    def apply(self, layers: Sequence, params: list, state: list, x: PyTree, *, train: bool,
+              rng: jax.Array | None, microbatch) -> tuple[PyTree, list]:
+        """Runs the stage's layers. params/state: per-layer lists (state: dict of the
+        layer's non-params collections). Returns (output, new per-layer state)."""
+
+        def run(params, state, x, rng):
+            new_state = []
+            for k, i in enumerate(range(self.start, self.stop)):
+                key = layer_rng(rng, microbatch, i) if rng is not None else None
+
+                def one(p, st, x, key, layer=layers[i]):
+                    return apply_layer(layer, {"params": p, **st}, x, train=train, rng=key)
+
+                if self.layer_remat and self.layer_remat[k]:
+                    one = jax.checkpoint(one)
+                x, st = one(params[k], state[k], x, key)
+                new_state.append(st)
+            return x, new_state
+
+        if self.stage_remat == "full":
+            run = jax.checkpoint(run)
+        elif self.stage_remat != "none":
+            run = jax.checkpoint(run, policy=_policy(self.stage_remat))
+        return run(params, state, x, rng)
+
+
+def is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def split_float(tree: PyTree) -> tuple[list, list, list]:
+    """(float leaves, other leaves, is-float mask) of a pytree."""
+    leaves = jax.tree.leaves(tree)
+    mask = [is_float(l) for l in leaves]
+    return ([l for l, m in zip(leaves, mask) if m], [l for l, m in zip(leaves, mask) if not m], mask)
+
+
+def merge_float(treedef, mask: Sequence[bool], floats: Sequence, others: Sequence) -> PyTree:
+    f, o = iter(floats), iter(others)
+    return jax.tree.unflatten(treedef, [next(f) if m else next(o) for m in mask])
+
+
+Loss = Callable[[PyTree, PyTree], jax.Array]

@@ -1,0 +1,148 @@
+"""The pipeline equals the sequential single-device reference (loss, grads, batch_stats)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.layers import apply_layer
+
+import mixed_model as mm
+
+LAYERS = mm.make_layers()  # 8 layers: conv+BN, conv+BN, flatten/embed, 4 x (dense, LN, dropout), head
+RNG = jax.random.key(42)
+MESHES = [(1, 1), (1, 2), (2, 2), (1, 4), (2, 4), (4, 2), (1, 8), (8, 1)]
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@functools.lru_cache(maxsize=None)
+def _case(data, M, mb=2):
+    inputs, labels = mm.make_batch(data * M * mb, seed=data * 100 + M)
+    per_layer = _initial_vars()
+    ref = jp.reference_value_and_grad(LAYERS, per_layer, mm.loss_fn, inputs, labels, data=data,
+                                      num_microbatches=M, rng=RNG)
+    return inputs, labels, ref
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_vars():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
+    variables = pipe.init(jax.random.key(0), mm.make_batch(2)[0])
+    per_layer = pipe.unpack(variables)
+    # Non-trivial batch statistics so that their update is checked too.
+    for v in per_layer:
+        if "batch_stats" in v:
+            v["batch_stats"] = jax.tree.map(lambda a: a + 0.3, v["batch_stats"])
+    return per_layer
+
+
+def _check(data, pipe_size, schedule, M, boundaries=None, remat="none"):
+    inputs, labels, (ref_loss, ref_grads, ref_vars) = _case(data, M)
+    mesh = jh.make_mesh(data=data, pipe=pipe_size)
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=M, schedule=schedule,
+                       boundaries=boundaries, remat=remat)
+    variables = pipe.pack(_initial_vars())
+    loss, grads, new_vars = pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    got = pipe.unpack({**variables, "params": grads})
+    for g, r in zip(_leaves([v["params"] for v in got]), _leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    new = pipe.unpack(new_vars)
+    for g, r in zip(_leaves([v.get("batch_stats", {}) for v in new]),
+                    _leaves([v.get("batch_stats", {}) for v in ref_vars])):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    # Gradients live where the parameters live: one stage per "pipe" position.
+    assert grads["float32"].sharding.spec == jax.sharding.PartitionSpec("pipe")
+    return pipe
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("data,pipe_size", MESHES)
+def test_matches_reference(data, pipe_size, schedule):
+    # M in {1, S, 2S+1}: the M = S case doubles as the M = 1 case when S = 1.
+    for M in sorted({1, pipe_size, 2 * pipe_size + 1}):
+        if data * M * 2 > 64:
+            continue
+        _check(data, pipe_size, schedule, M)
+
+
+def test_uneven_boundaries_and_remat():
+    # 8 layers on 3 stages, unevenly; per-stage remat settings and a per-layer plan.
+    _check(1, 4, "1f1b", 3, boundaries=[1, 2, 7], remat=["full", "none", "dots_saveable", "none"])
+    _check(2, 2, "gpipe", 2, boundaries=[5], remat="full")
+    _check(1, 2, "1f1b", 2, remat=[i % 2 == 0 for i in range(len(LAYERS))])
+
+
+def test_apply_matches_sequential_eval():
+    inputs, _ = mm.make_batch(16)
+    per_layer = _initial_vars()
+    x = inputs
+    for layer, v in zip(LAYERS, per_layer):
+        x, _ = apply_layer(layer, v, x, train=False)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=2)
+    out = pipe.apply(pipe.pack(per_layer), inputs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_depends_on_rng_and_is_reproducible():
+    inputs, labels = mm.make_batch(8)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
+    variables = pipe.pack(_initial_vars())
+    f = pipe.value_and_grad(mm.loss_fn)
+    a = f(variables, inputs, labels, jax.random.key(1))[0]
+    b = f(variables, inputs, labels, jax.random.key(1))[0]
+    c = f(variables, inputs, labels, jax.random.key(2))[0]
+    assert float(a) == float(b) and float(a) != float(c)
+
+
+def test_pack_unpack_round_trip():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), boundaries=[2, 3, 6])
+    per_layer = _initial_vars()
+    back = pipe.unpack(pipe.pack(per_layer))
+    assert jax.tree.structure(back) == jax.tree.structure(per_layer)
+    for a, b in zip(_leaves(back), _leaves(per_layer)):
+        np.testing.assert_array_equal(a, b)
+    # Stage buffers are sharded over "pipe" and replicated over "data".
+    buf = pipe.pack(per_layer)["params"]["float32"]
+    assert buf.shape[0] == 4 and buf.sharding.spec == jax.sharding.PartitionSpec("pipe")
+    assert len(buf.addressable_shards) == 8
+    stats = pipe.padding_stats()
+    assert stats["total_params"] == sum(a.size for v in per_layer for a in _leaves(v["params"]))
+
+
+def test_errors():
+    mesh = jh.make_mesh(data=2, pipe=4)
+    with pytest.raises(ValueError, match="4 stages but only 3 layers"):
+        jp.Pipeline(LAYERS[:3], mesh=mesh)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        jp.Pipeline(LAYERS, mesh=mesh, boundaries=[3, 2, 5])
+    with pytest.raises(ValueError, match="out of range"):
+        jp.Pipeline(LAYERS, mesh=mesh, boundaries=[0, 2, 5])
+    with pytest.raises(ValueError, match="needs 3"):
+        jp.Pipeline(LAYERS, mesh=mesh, boundaries=[2, 5])
+    with pytest.raises(ValueError, match="axes"):
+        jp.Pipeline(LAYERS, mesh=jax.make_mesh((8,), ("x",)))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        jp.Pipeline(LAYERS, mesh=mesh, schedule="zigzag")
+    with pytest.raises(ValueError, match="remat"):
+        jp.Pipeline(LAYERS, mesh=mesh, remat="sometimes")
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=3)
+    variables = pipe.pack(_initial_vars())
+    inputs, labels = mm.make_batch(8)
+    with pytest.raises(ValueError, match="not divisible by data x num_microbatches = 2 x 3"):
+        pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="only 8 are available"):
+        jh.make_mesh(data=4, pipe=4)
+    with pytest.raises(ValueError, match="does not divide"):
+        jh.make_mesh(data=-1, pipe=3)
+    mesh = jh.make_mesh(data=-1, pipe=2)
+    assert dict(mesh.shape) == {"data": 4, "pipe": 2}
