@@ -9,6 +9,7 @@ import pytest
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import apply_layer
+from jaxhybrid.pipeline.stages import even_boundaries
 
 import mixed_model as mm
 
@@ -45,6 +46,8 @@ def _initial_vars():
 def _check(data, pipe_size, schedule, M, boundaries=None, remat="none"):
     inputs, labels, (ref_loss, ref_grads, ref_vars) = _case(data, M)
     mesh = jh.make_mesh(data=data, pipe=pipe_size)
+    if boundaries is None:   # the planner's choice is tested in test_planned_pipeline.py
+        boundaries = even_boundaries(len(LAYERS), pipe_size)
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=M, schedule=schedule,
                        boundaries=boundaries, remat=remat)
     variables = pipe.pack(_initial_vars())
@@ -85,20 +88,24 @@ def test_apply_matches_sequential_eval():
     x = inputs
     for layer, v in zip(LAYERS, per_layer):
         x, _ = apply_layer(layer, v, x, train=False)
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=2)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=2,
+                       boundaries=[2, 4, 6])
     out = pipe.apply(pipe.pack(per_layer), inputs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_depends_on_rng_and_is_reproducible():
     inputs, labels = mm.make_batch(8)
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       boundaries=[4])
     variables = pipe.pack(_initial_vars())
     f = pipe.value_and_grad(mm.loss_fn)
     a = f(variables, inputs, labels, jax.random.key(1))[0]
     b = f(variables, inputs, labels, jax.random.key(1))[0]
     c = f(variables, inputs, labels, jax.random.key(2))[0]
     assert float(a) == float(b) and float(a) != float(c)
+    with pytest.raises(ValueError, match="pass rng="):
+        f(variables, inputs, labels)   # dropout layers need a key while training
 
 
 def test_pack_unpack_round_trip():
@@ -132,7 +139,11 @@ def test_errors():
         jp.Pipeline(LAYERS, mesh=mesh, schedule="zigzag")
     with pytest.raises(ValueError, match="remat"):
         jp.Pipeline(LAYERS, mesh=mesh, remat="sometimes")
-    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=3)
+    with pytest.raises(ValueError, match="call pipe.init"):
+        jp.Pipeline(LAYERS, mesh=mesh).pack(_initial_vars())   # planner has not run yet
+    with pytest.raises(ValueError, match="memory_budget needs remat='auto'"):
+        jp.Pipeline(LAYERS, mesh=mesh, remat="full", memory_budget="1GB")
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=3, boundaries=[2, 4, 6])
     variables = pipe.pack(_initial_vars())
     inputs, labels = mm.make_batch(8)
     with pytest.raises(ValueError, match="not divisible by data x num_microbatches = 2 x 3"):

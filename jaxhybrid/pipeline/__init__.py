@@ -1,6 +1,8 @@
 """The SPMD pipeline runtime: `Pipeline` runs heterogeneous Flax layers as stages."""
 from jaxhybrid.pipeline.api import Pipeline
 from jaxhybrid.pipeline.reference import reference_value_and_grad
+from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.schedules import SCHEDULE_NAMES, Schedule, make_schedule
 
-__all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULE_NAMES", "reference_value_and_grad"]
+__all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULE_NAMES", "reference_value_and_grad",
+           "even_boundaries"]

@@ -1,9 +1,11 @@
 """`Pipeline`: heterogeneous Flax layers as pipeline stages on a ("data", "pipe") mesh."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,16 +32,25 @@ class Pipeline:
       mesh: a Mesh with axes "data" and "pipe" (`jaxhybrid.make_mesh`).
       num_microbatches: M; each data replica's batch is split into M microbatches.
       schedule: "gpipe" | "1f1b".
-      boundaries: first layer index of stages 1..S-1; None = balanced default.
+      boundaries: first layer index of stages 1..S-1; None = the planner's cost-balanced
+        split (decided in `init`, from the layers profiled on one microbatch).
       remat: "none" | "full" (recompute each stage from its input) | a
         `jax.checkpoint_policies` name | a per-stage list of those | a list of one bool
-        per layer (recompute that layer) | "auto" (the planner's choice; no recompute
-        without a memory budget).
+        per layer (recompute that layer) | "auto" (the planner's per-layer choice so that
+        every stage fits `memory_budget`; no recompute without a budget).
+      memory_budget: bytes per device (int or "16GB") for remat="auto".
+      topology: a `jaxhybrid.plan.Topology` or spec string; the planner then weighs the
+        boundary transfers over the links each cut crosses.
+      plan: a `jaxhybrid.plan.Plan` to run as is (boundaries and remat from it).
+
+    `pipe.plan` is the plan in use (`.summary()`, `.to_json()`, `.plot(path)`); it is
+    made by `init` and, for explicit boundaries, on first access after `init`.
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, mesh: Mesh, num_microbatches: int = 1,
                  schedule: str = "1f1b", boundaries: Sequence[int] | None = None,
-                 remat: Any = "auto"):
+                 remat: Any = "auto", memory_budget: int | str | None = None,
+                 topology: Any = None, plan: Any = None):
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
@@ -58,13 +69,60 @@ class Pipeline:
             raise ValueError(f"Pipeline: {S} stages but only {L} layers; use a mesh with "
                              f"pipe <= {L} or split the model into more layers.")
         self.schedule = make_schedule(schedule, S, self.num_microbatches)
-        self.boundaries = (even_boundaries(L, S) if boundaries is None
-                           else check_boundaries(boundaries, L, S))
-        self.ranges = stage_ranges(self.boundaries, L)
-        self.remat = remat
-        self.programs = self._stage_programs(remat)
+        if memory_budget is not None and remat != "auto":
+            raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
+                             f"drop one of them.")
+        self.memory_budget, self.topology = memory_budget, topology
+        self._plan, self._sample = None, None
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
         self._cache: dict = {}
+        if plan is not None:
+            if plan.num_layers != L or plan.num_stages != S:
+                raise ValueError(f"Pipeline: the plan is for {plan.num_layers} layers on "
+                                 f"{plan.num_stages} stages, this pipeline has {L} layers on "
+                                 f"{S}; make a plan for this model and mesh.")
+            boundaries, remat = plan.boundaries, (list(plan.remat) if remat == "auto" else remat)
+            self._plan = plan
+        # Planner decisions wait for `init` (they need input shapes); until then an even
+        # split stands in so the object is usable for pack/unpack of explicit layouts.
+        self._needs_plan = boundaries is None or (remat == "auto" and memory_budget is not None)
+        self._planner_cuts = boundaries is None
+        self._set_layout(even_boundaries(L, S) if boundaries is None
+                         else check_boundaries(boundaries, L, S), remat)
+
+    def _set_layout(self, boundaries, remat) -> None:
+        self.boundaries = list(boundaries)
+        self.ranges = stage_ranges(self.boundaries, len(self.layers))
+        self.remat = remat
+        self.programs = self._stage_programs(remat)
+        self._cache.clear()
+
+    # --- planning -------------------------------------------------------------------
+    def _microbatch_sample(self, sample_inputs):
+        """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
+        b = int(np.shape(jax.tree.leaves(sample_inputs)[0])[0])
+        n = self.data * self.num_microbatches
+        rows = b // n if b % n == 0 else b
+        return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs)
+
+    def _make_plan(self, fixed: bool):
+        from jaxhybrid import plan as planner   # plan/ never imports pipeline/
+        costs = _profile_cached(self.layers, self._sample)
+        return planner.make_plan(
+            costs, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+            schedule=self.schedule.name, data=self.data, topology=self.topology,
+            memory_budget=self.memory_budget if self.remat == "auto" else None,
+            boundaries=self.boundaries if fixed else None)
+
+    @property
+    def plan(self):
+        """The plan in use (boundaries, remat per layer, predicted per-stage time/memory)."""
+        if self._plan is None:
+            if self._sample is None:
+                raise ValueError("Pipeline.plan: call pipe.init(rng, sample_inputs) first (the "
+                                 "plan is made from the layers' measured costs).")
+            self._plan = self._make_plan(fixed=True)
+        return self._plan
 
     # --- stage set-up ---------------------------------------------------------------
     def _stage_programs(self, remat) -> list[StageProgram]:
@@ -123,6 +181,11 @@ class Pipeline:
     def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
         """Initialises every layer (in order, on the first example of `sample_inputs`) and
         returns packed variables {collection: {dtype: [S, length]}} sharded over "pipe"."""
+        self._sample = self._microbatch_sample(sample_inputs)
+        if self._needs_plan:
+            plan = self._make_plan(fixed=not self._planner_cuts)
+            self._plan, self._needs_plan = plan, False
+            self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
         x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
         per_layer = []
         for i, layer in enumerate(self.layers):
@@ -133,6 +196,10 @@ class Pipeline:
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""
+        if self._needs_plan:
+            raise ValueError("Pipeline.pack: the planner has not chosen the stages yet; call "
+                             "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
+                             "remat other than 'auto' with a memory_budget).")
         if len(per_layer) != len(self.layers):
             raise ValueError(f"Pipeline.pack: got variables for {len(per_layer)} layers, the "
                              f"pipeline has {len(self.layers)}.")
@@ -197,6 +264,10 @@ class Pipeline:
         self._require_vars()
 
         def step(variables, inputs, targets, rng=None):
+            with _rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"):
+                return _step(variables, inputs, targets, rng)
+
+        def _step(variables, inputs, targets, rng):
             mb_in = self._microbatch(inputs, "inputs")
             mb_tg = self._microbatch(targets, "targets")
             rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
@@ -225,6 +296,10 @@ class Pipeline:
         return self._cache[key](variables, inputs, rng)
 
     def _apply(self, variables, inputs, rng, *, train):
+        with _rng_hint("apply(variables, inputs, train=True, rng=key)"):
+            return self._apply_program(variables, inputs, rng, train=train)
+
+    def _apply_program(self, variables, inputs, rng, *, train):
         mb_in = self._microbatch(inputs, "inputs")
         rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
         lay = self._forward_layouts(
@@ -260,3 +335,30 @@ class Pipeline:
         per_device = sum(self.param_len.values())
         return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
                     padding_waste=1.0 - sum(used) / max(1, per_device * self.num_stages))
+
+
+@contextlib.contextmanager
+def _rng_hint(call: str):
+    """flax's missing-rng error names a module, not the fix; name the fix."""
+    try:
+        yield
+    except flax.errors.InvalidRngError as e:
+        raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) while "
+                         f"training; pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
+
+
+_PROFILE_CACHE: dict = {}
+
+
+def _profile_cached(layers, sample):
+    """Per-layer costs, cached on the layers and the per-example input shapes: pipelines
+    that differ in mesh, schedule or microbatch size share one profile (costs per example
+    scale linearly to the microbatch at hand)."""
+    from jaxhybrid.plan import profile
+    rows = int(np.shape(jax.tree.leaves(sample)[0])[0])
+    key = (tuple(id(l) for l in layers),
+           str(jax.tree.map(lambda a: (np.shape(a)[1:], jnp.asarray(a).dtype), sample)))
+    if key not in _PROFILE_CACHE:   # the cached list keeps the layers alive: ids stay unique
+        _PROFILE_CACHE[key] = (list(layers), profile(layers, sample))
+    costs = _PROFILE_CACHE[key][1]
+    return costs if costs[0].batch_size == rows else [c.scaled(rows) for c in costs]

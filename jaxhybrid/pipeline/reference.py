@@ -25,29 +25,28 @@ def reference_value_and_grad(layers: Sequence, per_layer: Sequence[dict], loss_f
                              train: bool = True):
     """Returns (loss, per-layer param grads, new per-layer variables), run sequentially."""
     n = data * num_microbatches
-    batch = jax.tree.leaves(inputs)[0].shape[0]
-    mb = batch // n
     params = [dict(v).get("params", {}) for v in per_layer]
     states = [{c: t for c, t in dict(v).items() if c != "params"} for v in per_layer]
+    # [data, M, microbatch, ...]: shard d holds rows d*B/data .. (d+1)*B/data, in order.
+    split = lambda tree: jax.tree.map(
+        lambda a: a.reshape(data, num_microbatches, a.shape[0] // n, *a.shape[1:]), tree)
 
-    def rows(tree, g):
-        return jax.tree.map(lambda a: a[g * mb:(g + 1) * mb], tree)
+    def shard(params, states, d, xs, ys):
+        def microbatch(st, m_x_y):
+            m, x, y = m_x_y
+            g = d * num_microbatches + m
+            st = list(st)
+            for i, layer in enumerate(layers):
+                key = layer_rng(rng, g, i) if (rng is not None and train) else None
+                x, st[i] = apply_layer(layer, {"params": params[i], **st[i]}, x, train=train, rng=key)
+            return st, jnp.asarray(loss_fn(x, y), jnp.float32)
+        final, losses = jax.lax.scan(microbatch, states, (jnp.arange(num_microbatches), xs, ys))
+        return jnp.mean(losses), final
 
     def total(params, states):
-        loss, finals = 0.0, []
-        for d in range(data):
-            st = list(states)
-            for m in range(num_microbatches):
-                g = d * num_microbatches + m
-                x = rows(inputs, g)
-                for i, layer in enumerate(layers):
-                    key = layer_rng(rng, g, i) if (rng is not None and train) else None
-                    x, st[i] = apply_layer(layer, {"params": params[i], **st[i]}, x,
-                                           train=train, rng=key)
-                loss = loss + jnp.asarray(loss_fn(x, rows(targets, g)), jnp.float32) / n
-            finals.append(st)
-        mean_state = jax.tree.map(lambda *xs: sum(xs) / len(xs), *finals) if finals[0] else finals[0]
-        return loss, mean_state
+        losses, finals = jax.vmap(shard, in_axes=(None, None, 0, 0, 0))(
+            params, states, jnp.arange(data), split(inputs), split(targets))
+        return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), finals)
 
     (loss, new_states), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params, states)
     new_vars = [{"params": p, **st} for p, st in zip(params, new_states)]

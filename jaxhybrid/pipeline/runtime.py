@@ -231,8 +231,7 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
             else:
                 ct = packing.unpack_leaves(lay.grad[s + 1], g_in)
             grads = vjp_fn(ct)
-            g_params = packing.pack(lay.params[s], grads[0], pipe.param_len)
-            acc = {k: acc[k] + g_params[k] for k in acc}
+            acc = packing.add_into(lay.params[s], grads[0], acc)
             g_out = (packing.pack(lay.grad[s], grads[1], lay.grad_len) if s > 0
                      else packing.zeros(lay.grad_len))
             return g_out, acc

@@ -1,0 +1,293 @@
+"""The Plan object (what the pipeline runs) and `make_plan` (costs -> plan).
+
+Times in a Plan are seconds per microbatch, except `stage_allreduce_time` (per step).
+Predicted step time = sum of the schedule's lock-step tick times, where stage s's
+forward slot costs fwd_s + transfer_s / 2 and its backward slot bwd_s + transfer_s / 2
+(activation out, gradient back), plus the slowest stage's gradient all-reduce after the
+last backward (stages all-reduce concurrently over disjoint replica groups).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+
+from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.partition import map_devices, partition, stage_costs
+from jaxhybrid.plan.remat import choose_remat, recompute_time, stage_memory
+from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
+from jaxhybrid.schedules import make_schedule
+
+
+@dataclasses.dataclass
+class Plan:
+    num_layers: int
+    boundaries: list[int]
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    data: int
+    device_order: list[int] | None
+    remat: list[bool]
+    stage_compute_time: list[float]      # fwd + bwd (+ recompute) per microbatch
+    stage_transfer_time: list[float]     # outgoing activation + its gradient, per microbatch
+    stage_allreduce_time: list[float]    # gradient all-reduce over `data`, per step
+    stage_memory: list[float]            # bytes per device (remat.stage_memory)
+    layer_names: list[str]
+    memory_budget: float | None = None
+    objective: str = "bottleneck"
+    stage_fwd_time: list[float] | None = None   # split of stage_compute_time (recompute
+    stage_bwd_time: list[float] | None = None   # counts in the backward)
+    microbatch_size: int | None = None
+    topology: str | None = None
+
+    def __post_init__(self):
+        S = self.num_stages
+        if len(self.boundaries) != S - 1:
+            raise ValueError(f"Plan: {len(self.boundaries)} boundaries for {S} stages (need {S - 1}).")
+        if len(self.remat) != self.num_layers or len(self.layer_names) != self.num_layers:
+            raise ValueError(f"Plan: remat and layer_names need {self.num_layers} entries.")
+        for f in ("stage_compute_time", "stage_transfer_time", "stage_allreduce_time", "stage_memory"):
+            if len(getattr(self, f)) != S:
+                raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
+        if self.stage_fwd_time is None:   # no split given: assume backward = 2 x forward
+            self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
+            self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
+
+    # --- derived ----------------------------------------------------------------------
+    @property
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        e = [0, *self.boundaries, self.num_layers]
+        return [(e[s], e[s + 1]) for s in range(self.num_stages)]
+
+    @property
+    def stage_time(self) -> np.ndarray:
+        """Per-microbatch cost of each stage (compute + transfer + all-reduce / M)."""
+        return (np.array(self.stage_compute_time) + np.array(self.stage_transfer_time)
+                + np.array(self.stage_allreduce_time) / self.num_microbatches)
+
+    @property
+    def bottleneck_time(self) -> float:
+        return float(self.stage_time.max())
+
+    def _tick_costs(self):
+        half = np.array(self.stage_transfer_time) / 2
+        return np.array(self.stage_fwd_time) + half, np.array(self.stage_bwd_time) + half
+
+    def schedule_table(self):
+        return make_schedule(self.schedule, self.num_stages, self.num_microbatches)
+
+    @property
+    def predicted_step_time(self) -> float:
+        f, b = self._tick_costs()
+        ticks = self.schedule_table().tick_times(fwd_cost=f, bwd_cost=b).sum()
+        return float(ticks + max(self.stage_allreduce_time, default=0.0))
+
+    @property
+    def bubble_fraction(self) -> float:
+        f, b = self._tick_costs()
+        if (f + b).sum() == 0:
+            return 0.0
+        return self.schedule_table().bubble_fraction(f, b)
+
+    # --- output -----------------------------------------------------------------------
+    def summary(self) -> str:
+        S, M = self.num_stages, self.num_microbatches
+        lines = [f"Plan: {self.num_layers} layers -> {S} stages x data {self.data}, schedule "
+                 f"{self.schedule}, {M} microbatches"
+                 + (f" of {self.microbatch_size}" if self.microbatch_size else "")
+                 + f", objective {self.objective}",
+                 f"  topology: {self.topology or 'none (no link costs)'}; memory budget: "
+                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}"]
+        head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
+                f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
+        lines += [head, "-" * len(head)]
+        for s, (a, b) in enumerate(self.stage_ranges):
+            names = self.layer_names[a] if b - a == 1 else f"{self.layer_names[a]} .. {self.layer_names[b - 1]}"
+            devs = ("-" if self.device_order is None else
+                    ",".join(str(self.device_order[r * S + s]) for r in range(self.data)))
+            lines.append(
+                f"{s:>5} {f'{a}-{b - 1}':>9} {names[:28]:<28} {1e3 * self.stage_fwd_time[s]:>8.3f} "
+                f"{1e3 * self.stage_bwd_time[s]:>8.3f} {1e3 * self.stage_transfer_time[s]:>8.3f} "
+                f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
+                f"{sum(self.remat[a:b]):>5}  {devs}")
+        lines.append(f"bottleneck {1e3 * self.bottleneck_time:.3f} ms/microbatch; predicted step "
+                     f"{1e3 * self.predicted_step_time:.3f} ms; bubble {self.bubble_fraction:.3f}; "
+                     f"boundaries {self.boundaries}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> "Plan":
+        d = json.loads(s)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"Plan.from_json: unknown fields {sorted(unknown)}.")
+        return cls(**d)
+
+    def plot(self, path: str) -> None:
+        """PNG: Gantt chart of the schedule with this plan's per-stage tick costs, and the
+        per-stage memory against the budget."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        sched = self.schedule_table()
+        f, b = (1e3 * x for x in self._tick_costs())
+        starts = np.concatenate([[0.0], np.cumsum(sched.tick_times(f, b))])
+        S = self.num_stages
+        fig, (ax, axm) = plt.subplots(1, 2, figsize=(max(8.0, 0.3 * sched.num_ticks + 4), 0.5 * S + 2),
+                                      gridspec_kw={"width_ratios": [3, 1]})
+        for t in range(sched.num_ticks):
+            for s in range(S):
+                x = starts[t]
+                for table, w, color in ((sched.fwd, f[s], "tab:blue"), (sched.bwd, b[s], "tab:orange")):
+                    if table[t, s] >= 0:
+                        ax.barh(s, w, left=x, color=color, edgecolor="k", linewidth=0.4)
+                        x += w
+        ax.set_yticks(range(S), [f"stage {s}" for s in range(S)])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms (forward blue, backward orange)")
+        ax.set_title(f"{self.schedule} S={S} M={self.num_microbatches}: step "
+                     f"{1e3 * self.predicted_step_time:.3g} ms, bubble {self.bubble_fraction:.2f}")
+        mem = np.array(self.stage_memory) / 1e9
+        axm.barh(range(S), mem, color=["tab:red" if self.memory_budget and m * 1e9 > self.memory_budget
+                                       else "tab:green" for m in mem])
+        if self.memory_budget:
+            axm.axvline(self.memory_budget / 1e9, color="k", linestyle="--", label="budget")
+            axm.legend(loc="lower right", fontsize=7)
+        axm.set_yticks(range(S), [f"{sum(self.remat[a:b])} remat" for a, b in self.stage_ranges])
+        axm.invert_yaxis()
+        axm.set_xlabel("memory per device (GB)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def _objective_value(sc, objective: str, M: int) -> float:
+    t = sc.per_microbatch
+    return float(t.max()) if objective == "bottleneck" else float(t.sum() + (M - 1) * t.max())
+
+
+def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
+    cuts = [int(b) for b in boundaries]
+    if len(cuts) != S - 1 or any(not 0 < b < L for b in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"make_plan: boundaries={list(boundaries)} must be {S - 1} increasing "
+                         f"layer indices in 1..{L - 1}.")
+    return cuts
+
+
+def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: int,
+              schedule: str = "1f1b", data: int = 1, topology: Topology | str | None = None,
+              memory_budget: float | str | None = None, objective: str = "bottleneck",
+              microbatch_size: int | None = None, param_state_factor: float = 4,
+              device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
+              boundaries: Sequence[int] | None = None) -> Plan:
+    """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
+    partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
+    all-reduced over `data`), device mapping on a non-uniform topology (alternating with
+    re-partitioning until the mapping stops changing), recompute choice when
+    `memory_budget` is set, and the resulting predicted times and memory."""
+    costs = list(costs)
+    if not costs or not all(isinstance(c, LayerCost) for c in costs):
+        raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
+    if microbatch_size is not None and microbatch_size != costs[0].batch_size:
+        costs = [c.scaled(microbatch_size) for c in costs]
+    S, M, L = int(num_stages), int(num_microbatches), len(costs)
+    sched = make_schedule(schedule, S, M)   # validates the name and sizes early
+    if isinstance(topology, str):
+        topology = Topology.from_spec(topology)
+    if topology is not None and topology.n < S * data:
+        raise ValueError(f"make_plan: {S} stages x data={data} need {S * data} devices but the "
+                         f"topology has {topology.n}; pass a bigger topology.")
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    t = np.array([c.fwd_time + c.bwd_time for c in costs])
+    link = {}
+    if topology is not None:
+        link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in costs], data=data,
+                    param_bytes=[c.param_bytes for c in costs] if data > 1 else None)
+    remap = (topology is not None and device_order is None and not topology.is_uniform()
+             and boundaries is None)
+    order = None if device_order is None else list(device_order)
+    if remap:
+        order = list(range(S * data))
+    best = None
+    for _ in range(max(1, max_mapping_rounds)):
+        cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M, **link)
+                if boundaries is None else _fixed_cuts(boundaries, S, L))
+        sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
+        value = _objective_value(sc, objective, M)
+        if best is None or value < best[0] * (1 - 1e-9):
+            best = (value, cuts, order, sc)
+        if not remap or S * data == 1:
+            break
+        e = [0, *cuts, L]
+        new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
+                          stage_times=sc.compute,
+                          stage_param_bytes=[sum(c.param_bytes for c in costs[e[s]:e[s + 1]])
+                                             for s in range(S)], num_microbatches=M)
+        if new == order:
+            break
+        order = new
+    _, cuts, order, sc = best
+
+    remat = [False] * L
+    if budget is not None:
+        remat = choose_remat(costs, cuts, sched.in_flight(), budget,
+                             param_state_factor=param_state_factor)
+    e = [0, *cuts, L]
+    fwd = np.array([sum(c.fwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
+    bwd = np.array([sum(c.bwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
+    bwd = bwd + recompute_time(costs, cuts, remat)
+    mem = stage_memory(costs, cuts, sched.in_flight(), remat, param_state_factor=param_state_factor)
+    return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
+                schedule=schedule, data=int(data),
+                device_order=None if order is None else [int(d) for d in order],
+                remat=[bool(r) for r in remat], stage_compute_time=(fwd + bwd).tolist(),
+                stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
+                stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
+                memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
+                stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
+                topology=None if topology is None else (topology.description or repr(topology)))
+
+
+def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
+                     stages: int | None = None, measure: bool = False, objective: str | None = None):
+    """Profiles the config's model on one microbatch and plans it: the library side of
+    scripts/plan.py. Reads config.model.{name,size}, config.pipeline.{schedule,
+    num_microbatches,memory_budget}, config.mesh.{data,pipe}, config.train.batch_size.
+    Returns (plan, costs)."""
+    from jaxhybrid.models import get_model   # plan/ may use models, never pipeline/
+    from jaxhybrid.plan.costs import profile
+
+    def get(section, key, default=None):
+        sec = config.get(section, None) if hasattr(config, "get") else getattr(config, section, None)
+        if sec is None:
+            return default
+        val = sec.get(key, default) if hasattr(sec, "get") else getattr(sec, key, default)
+        return default if val is None else val
+
+    name = get("model", "name")
+    if not name:
+        raise ValueError("plan_from_config: config.model.name is missing; set it or pass --model.")
+    spec = get_model(name, size=get("model", "size", "tiny"))
+    data, S = int(get("mesh", "data", 1)), int(stages or get("mesh", "pipe", 1))
+    M = int(get("pipeline", "num_microbatches", 1))
+    batch = int(get("train", "batch_size", M * data))
+    if batch % (data * M):
+        raise ValueError(f"plan_from_config: train.batch_size={batch} is not divisible by data={data} "
+                         f"x num_microbatches={M}; pick a batch size that is.")
+    inputs, _ = spec.sample_batch(batch // (data * M))
+    costs = profile(spec.layers, inputs, measure=measure)
+    budget = memory_budget if memory_budget is not None else get("pipeline", "memory_budget")
+    plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=get("pipeline", "schedule", "1f1b"),
+                     data=data, topology=topology, memory_budget=budget,
+                     objective=objective or get("pipeline", "objective", "bottleneck"))
+    return plan, costs

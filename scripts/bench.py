@@ -1,0 +1,31 @@
+"""Benchmarks that print figures (never pass/fail): one mode per topic.
+
+    python scripts/bench.py pipeline     # bubble, memory, params/device, CPU-seconds ratios
+    python scripts/bench.py plan         # planner vs brute force / equal split, mapping, remat
+    python scripts/bench.py projection   # step-time model vs the real engine on this host
+
+`python scripts/bench.py MODE --help` lists a mode's flags. On a host without GPUs the
+8 simulated CPU devices are set up here, before jax starts.
+"""
+import importlib
+import os
+import sys
+
+MODES = {"pipeline": "jaxhybrid.bench.pipeline_bench",
+         "plan": "jaxhybrid.bench.plan_bench",
+         "projection": "jaxhybrid.bench.projection_bench"}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in MODES:
+        raise SystemExit(f"usage: python scripts/bench.py {{{'|'.join(MODES)}}} [--flags]")
+    mode = sys.argv.pop(1)
+    # Only affects the host (CPU) platform; a GPU host still runs on its GPUs.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from absl import app
+    module = importlib.import_module(MODES[mode])   # defines only this mode's flags
+    app.run(module.main)
+
+
+if __name__ == "__main__":
+    main()

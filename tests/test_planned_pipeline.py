@@ -1,0 +1,92 @@
+"""Pipeline(boundaries=None, remat="auto"): the planner picks stages and recomputation,
+and the planned pipeline still equals the sequential reference."""
+import jax
+import numpy as np
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid import plan as planner
+
+import mixed_model as mm
+
+LAYERS = mm.make_layers()
+RNG = jax.random.key(3)
+
+
+def _run(pipe, per_layer, inputs, labels):
+    variables = pipe.pack(per_layer)
+    loss, grads, _ = pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
+    return float(loss), pipe.unpack({**variables, "params": grads})
+
+
+def _reference(per_layer, inputs, labels, data, M):
+    loss, grads, _ = jp.reference_value_and_grad(LAYERS, per_layer, mm.loss_fn, inputs, labels,
+                                                 data=data, num_microbatches=M, rng=RNG)
+    return float(loss), grads
+
+
+def _assert_grads_equal(got, ref):
+    for g, r in zip(jax.tree.leaves([v["params"] for v in got]), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_planner_chooses_boundaries_and_matches_reference():
+    inputs, labels = mm.make_batch(16)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=4)
+    variables = pipe.init(jax.random.key(0), inputs)
+    plan = pipe.plan
+    assert isinstance(plan, planner.Plan)
+    assert pipe.boundaries == plan.boundaries and len(plan.boundaries) == 3
+    assert not any(plan.remat)   # no budget: nothing is recomputed
+    # The planner's split is never slower (by its own cost model) than the even split.
+    costs = planner.profile(LAYERS, mm.make_batch(2)[0])
+    even = planner.make_plan(costs, num_stages=4, num_microbatches=4, data=2,
+                             boundaries=jp.even_boundaries(len(LAYERS), 4))
+    assert plan.bottleneck_time <= even.bottleneck_time * (1 + 1e-9)
+    per_layer = pipe.unpack(variables)
+    loss, grads = _run(pipe, per_layer, inputs, labels)
+    ref_loss, ref_grads = _reference(per_layer, inputs, labels, 2, 4)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _assert_grads_equal(grads, ref_grads)
+
+
+def test_auto_remat_under_a_budget_recomputes_and_stays_exact():
+    inputs, labels = mm.make_batch(8)
+    mesh = jh.make_mesh(data=1, pipe=2)
+    free = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, boundaries=[4])
+    per_layer = free.unpack(free.init(jax.random.key(0), inputs))
+    no_remat_peak = max(free.plan.stage_memory)
+    # A budget between the all-recompute and no-recompute peaks forces some recomputation.
+    unbudgeted = planner.make_plan(planner.profile(LAYERS, mm.make_batch(2)[0]), num_stages=2,
+                             num_microbatches=4, boundaries=[4], memory_budget=None)
+    budget = int(no_remat_peak * 0.97)
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, boundaries=[4],
+                       memory_budget=budget)
+    pipe.init(jax.random.key(0), inputs)
+    assert any(pipe.plan.remat) and not all(pipe.plan.remat)
+    assert max(pipe.plan.stage_memory) <= budget
+    assert unbudgeted.bottleneck_time <= pipe.plan.bottleneck_time   # recompute costs time
+    loss, grads = _run(pipe, per_layer, inputs, labels)
+    ref_loss, ref_grads = _reference(per_layer, inputs, labels, 1, 4)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _assert_grads_equal(grads, ref_grads)
+
+
+def test_budget_too_small_says_by_how_much():
+    inputs, _ = mm.make_batch(8)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=4,
+                       boundaries=[4], memory_budget=1000)
+    with pytest.raises(planner.MemoryBudgetError, match="short by|exceeds|over"):
+        pipe.init(jax.random.key(0), inputs)
+
+
+def test_explicit_plan_is_used_as_is():
+    inputs, labels = mm.make_batch(8)
+    costs = planner.profile(LAYERS, mm.make_batch(2)[0])
+    plan = planner.make_plan(costs, num_stages=4, num_microbatches=2, boundaries=[1, 3, 5])
+    plan = planner.Plan.from_json(plan.to_json())
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=2, plan=plan)
+    assert pipe.boundaries == [1, 3, 5] and pipe.plan is plan
+    with pytest.raises(ValueError, match="make a plan for this model and mesh"):
+        jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=4, pipe=2), plan=plan)
