@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partition import map_devices, partition, stage_costs
-from jaxhybrid.plan.remat import choose_remat, recompute_time, stage_memory
+from jaxhybrid.plan.remat import (choose_remat, choose_remat_spmd, recompute_time, spmd_memory,
+                                  stage_memory)
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -34,7 +35,7 @@ class Plan:
     stage_compute_time: list[float]      # fwd + bwd (+ recompute) per microbatch
     stage_transfer_time: list[float]     # outgoing activation + its gradient, per microbatch
     stage_allreduce_time: list[float]    # gradient all-reduce over `data`, per step
-    stage_memory: list[float]            # bytes per device (remat.stage_memory)
+    stage_memory: list[float]            # bytes per device (remat.stage_memory / spmd_memory)
     layer_names: list[str]
     memory_budget: float | None = None
     objective: str = "bottleneck"
@@ -42,6 +43,8 @@ class Plan:
     stage_bwd_time: list[float] | None = None   # counts in the backward)
     microbatch_size: int | None = None
     topology: str | None = None
+    memory_model: str = "per_stage"             # "spmd": buffers padded to the largest stage
+    device_memory: float | None = None          # spmd: bytes every device allocates
 
     def __post_init__(self):
         S = self.num_stages
@@ -100,7 +103,9 @@ class Plan:
                  + (f" of {self.microbatch_size}" if self.microbatch_size else "")
                  + f", objective {self.objective}",
                  f"  topology: {self.topology or 'none (no link costs)'}; memory budget: "
-                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}"]
+                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}; memory "
+                 f"model {self.memory_model}" + (f", device memory {fmt_bytes(self.device_memory)}"
+                                                 if self.device_memory is not None else "")]
         head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
         lines += [head, "-" * len(head)]
@@ -160,8 +165,11 @@ class Plan:
         mem = np.array(self.stage_memory) / 1e9
         axm.barh(range(S), mem, color=["tab:red" if self.memory_budget and m * 1e9 > self.memory_budget
                                        else "tab:green" for m in mem])
+        if self.device_memory is not None:
+            axm.axvline(self.device_memory / 1e9, color="tab:purple", label="device (spmd)")
         if self.memory_budget:
             axm.axvline(self.memory_budget / 1e9, color="k", linestyle="--", label="budget")
+        if self.memory_budget or self.device_memory is not None:
             axm.legend(loc="lower right", fontsize=7)
         axm.set_yticks(range(S), [f"{sum(self.remat[a:b])} remat" for a, b in self.stage_ranges])
         axm.invert_yaxis()
@@ -189,12 +197,17 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               memory_budget: float | str | None = None, objective: str = "bottleneck",
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
-              boundaries: Sequence[int] | None = None) -> Plan:
+              boundaries: Sequence[int] | None = None, memory_model: str = "spmd") -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
     re-partitioning until the mapping stops changing), recompute choice when
-    `memory_budget` is set, and the resulting predicted times and memory."""
+    `memory_budget` is set, and the resulting predicted times and memory.
+    memory_model: "spmd" (jaxhybrid's runtime: every device sizes its buffers for the
+    largest stage; the budget bounds `device_memory`) or "per_stage" (each stage its own
+    program, Pipe-Torch's model); see `jaxhybrid.plan.remat`."""
+    if memory_model not in ("spmd", "per_stage"):
+        raise ValueError(f"make_plan: memory_model={memory_model!r}; choose 'spmd' or 'per_stage'.")
     costs = list(costs)
     if not costs or not all(isinstance(c, LayerCost) for c in costs):
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
@@ -238,15 +251,20 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         order = new
     _, cuts, order, sc = best
 
-    remat = [False] * L
-    if budget is not None:
+    remat, device_mem = [False] * L, None
+    if budget is not None and memory_model == "spmd":
+        remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor)
+    elif budget is not None:
         remat = choose_remat(costs, cuts, sched.in_flight(), budget,
                              param_state_factor=param_state_factor)
     e = [0, *cuts, L]
     fwd = np.array([sum(c.fwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
     bwd = np.array([sum(c.bwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
     bwd = bwd + recompute_time(costs, cuts, remat)
-    mem = stage_memory(costs, cuts, sched.in_flight(), remat, param_state_factor=param_state_factor)
+    if memory_model == "spmd":
+        mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
+    else:
+        mem = stage_memory(costs, cuts, sched.in_flight(), remat, param_state_factor=param_state_factor)
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -255,7 +273,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
                 memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
-                topology=None if topology is None else (topology.description or repr(topology)))
+                topology=None if topology is None else (topology.description or repr(topology)),
+                memory_model=memory_model, device_memory=device_mem)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,

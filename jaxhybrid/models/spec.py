@@ -1,0 +1,242 @@
+"""`ModelSpec`: a model as a flat list of Flax layers plus everything needed to train it
+(loss, metrics, a sample batch), and helpers shared by the model files: parameter
+initialisers with logical axis names, cross-entropy losses, parameter and FLOP counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.layers import apply_layer, init_layer, layer_rng, takes_train
+
+PyTree = Any
+TASKS = ("classification", "language_model", "translation")
+
+
+# --- parameters with logical axis names --------------------------------------------
+def logical(init: Callable, *names: str | None) -> Callable:
+    """`init` whose parameters are boxed with logical axis `names` (one per dimension)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def dense_init(*names: str | None, scale: float = 1.0) -> Callable:
+    """Lecun-normal kernel init (variance `scale`/fan_in) with logical names."""
+    return logical(nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal"), *names)
+
+
+def zeros_init(*names: str | None) -> Callable:
+    return logical(nn.initializers.zeros_init(), *names)
+
+
+def ones_init(*names: str | None) -> Callable:
+    return logical(nn.initializers.ones_init(), *names)
+
+
+def normal_init(stddev: float, *names: str | None) -> Callable:
+    return logical(nn.initializers.normal(stddev), *names)
+
+
+# --- losses and metrics -------------------------------------------------------------
+def _masked_cross_entropy(logits, labels, mask):
+    """(sum of -log p(label), number of correct argmaxes, number of counted items)."""
+    logits = logits.astype(jnp.float32)
+    safe = jnp.where(mask, labels, 0)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == safe).astype(jnp.float32) * mask
+    return jnp.sum(nll * mask), jnp.sum(correct), jnp.sum(mask)
+
+
+def classification_loss(logits, labels):
+    """Mean cross-entropy over examples; labels < 0 mark padding and are ignored."""
+    total, _, count = _masked_cross_entropy(logits, labels, labels >= 0)
+    return total / jnp.maximum(count, 1.0)
+
+
+def classification_metrics(logits, labels):
+    """{"loss", "accuracy"}: means over non-padding examples; "count": how many."""
+    total, correct, count = _masked_cross_entropy(logits, labels, labels >= 0)
+    n = jnp.maximum(count, 1.0)
+    return {"loss": total / n, "accuracy": correct / n, "count": count}
+
+
+def _token_terms(outputs, targets, pad_id):
+    # Outputs are logits [B, T, V], or (sampled softmax, BigLSTM) a dict whose "labels"
+    # index into its own "logits" columns; padding is always read from the real targets.
+    mask = (targets != pad_id) if pad_id is not None else jnp.ones(targets.shape, bool)
+    if isinstance(outputs, dict):
+        return _masked_cross_entropy(outputs["logits"], outputs["labels"], mask)
+    return _masked_cross_entropy(outputs, targets, mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLoss:
+    """Mean cross-entropy per (non-padding) token. A frozen dataclass so that equal
+    losses hash equal (the pipeline caches compiled programs by loss function)."""
+    pad_id: int | None
+
+    def __call__(self, outputs, targets):
+        total, _, count = _token_terms(outputs, targets, self.pad_id)
+        return total / jnp.maximum(count, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMetrics:
+    """{"loss", "token_accuracy"}: means over non-padding tokens; "count": how many."""
+    pad_id: int | None
+
+    def __call__(self, outputs, targets):
+        total, correct, count = _token_terms(outputs, targets, self.pad_id)
+        n = jnp.maximum(count, 1.0)
+        return {"loss": total / n, "token_accuracy": correct / n, "count": count}
+
+
+# --- the spec -----------------------------------------------------------------------
+@dataclasses.dataclass
+class ModelSpec:
+    """A model as the pipeline consumes it.
+
+    name, size: registry name and size ("tiny" | "small" | "full").
+    config: the resolved hyperparameters (size preset + overrides).
+    layers: flax.linen Modules applied in order; one's output pytree is the next's input.
+    loss_fn(outputs, targets) -> scalar mean loss of one microbatch.
+    metrics_fn(outputs, targets) -> dict of scalar means ("loss" plus "accuracy" for
+      classifiers, "token_accuracy" for token models) and "count", the number of
+      non-padding examples/tokens they average over (to weigh batches in evaluation).
+    task: "classification" | "language_model" | "translation".
+    sample_batch(batch_size, seed=0) -> (inputs, targets) numpy arrays of the right
+      shapes and dtypes (random values).
+    """
+    name: str
+    size: str
+    config: dict
+    layers: list
+    loss_fn: Callable
+    metrics_fn: Callable
+    task: str
+    sample_batch: Callable[..., tuple]
+    _flops: float | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"ModelSpec: task {self.task!r} must be one of {TASKS}.")
+
+    @property
+    def flops_per_example(self) -> float:
+        """Forward FLOPs of one example: 2 x multiply-adds of every matmul and
+        convolution, counted from shapes (nothing is computed or allocated)."""
+        if self._flops is None:
+            self._flops = forward_flops(self.layers, self.sample_batch(2)[0]) / 2
+        return self._flops
+
+    def init(self, rng: jax.Array, inputs: PyTree) -> list[dict]:
+        """Per-layer (unboxed) variables, initialised in order on `inputs`."""
+        return init_layers(self.layers, rng, inputs)
+
+    def apply(self, variables: Sequence[dict], inputs: PyTree, *, train: bool = False,
+              rng: jax.Array | None = None):
+        """Runs the layers in order on one device. Returns (outputs, new per-layer
+        variables) — the sequential reference the pipeline must agree with."""
+        return apply_layers(self.layers, variables, inputs, train=train, rng=rng)
+
+
+def init_layers(layers: Sequence[nn.Module], rng: jax.Array, inputs: PyTree) -> list[dict]:
+    x, out = inputs, []
+    for i, layer in enumerate(layers):
+        variables, x = init_layer(layer, jax.random.fold_in(rng, i), x, train=False)
+        out.append(variables)
+    return out
+
+
+def apply_layers(layers, variables, inputs, *, train=False, rng=None):
+    x, new_vars = inputs, []
+    for i, (layer, v) in enumerate(zip(layers, variables)):
+        key = layer_rng(rng, 0, i) if rng is not None else None
+        x, state = apply_layer(layer, v, x, train=train, rng=key)
+        new_vars.append({**v, **state})
+    return x, new_vars
+
+
+class Sequential(nn.Module):
+    """The layers composed into one Module (variables under "layers_<i>"): the whole
+    model, for comparing against the per-layer split."""
+    layers: Sequence[nn.Module]
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        for layer in self.layers:
+            x = layer(x, train=train) if takes_train(layer) else layer(x)
+        return x
+
+
+# --- counting without allocating ----------------------------------------------------
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+def abstract_variables(layers: Sequence[nn.Module], inputs: PyTree) -> list[dict]:
+    """Per-layer variables as ShapeDtypeStructs (jax.eval_shape: nothing allocated)."""
+    return jax.eval_shape(lambda k, x: init_layers(layers, k, x), jax.random.key(0),
+                          _abstract(inputs))
+
+
+def count_params(spec: ModelSpec, sample_batch_size: int = 1, per_layer: bool = False):
+    """Number of trainable parameters ("params" collection), from shapes only."""
+    inputs = spec.sample_batch(sample_batch_size)[0]
+    counts = [sum(math.prod(a.shape) for a in jax.tree.leaves(v.get("params", {})))
+              for v in abstract_variables(spec.layers, inputs)]
+    return counts if per_layer else sum(counts)
+
+
+def _subjaxprs(params: dict):
+    for value in params.values():
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _jaxpr_flops(jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(lhs[d] for d in lhs_contract)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        elif name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape
+            out_ch = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_ch
+        else:
+            inner = [_jaxpr_flops(j) for j in _subjaxprs(eqn.params)]
+            if name == "cond":                       # one branch runs
+                total += max(inner, default=0.0)
+            else:                                    # scan runs its body `length` times
+                total += sum(inner) * eqn.params.get("length", 1)
+    return total
+
+
+def forward_flops(layers: Sequence[nn.Module], inputs: PyTree) -> float:
+    """Matmul + convolution FLOPs of one forward pass (eval mode) over `inputs`."""
+    variables = abstract_variables(layers, inputs)
+    jaxpr = jax.make_jaxpr(lambda v, x: apply_layers(layers, v, x)[0])(
+        variables, _abstract(inputs))
+    return _jaxpr_flops(jaxpr.jaxpr)
+
+
+def check_overrides(model: str, defaults: dict, overrides: dict) -> dict:
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(f"{model}: unknown option(s) {unknown}; valid options: "
+                         f"{sorted(defaults)}.")
+    return {**defaults, **overrides}

@@ -1,0 +1,94 @@
+"""Logical axis names of model parameters/activations, and the rules that map them onto
+the ("data", "pipe") mesh.
+
+Every parameter of every jaxhybrid model is created through
+`nn.with_logical_partitioning(init, names)` with names from `LOGICAL_AXES`, so a model
+says *what* each dimension is, and the rules below say *where* it lives. On the
+("data", "pipe") mesh:
+
+* "batch" -> "data": activations and input batches are split over data replicas;
+* every weight dimension -> None: weights are replicated within a stage (data
+  parallelism keeps a full copy per replica);
+* "pipe" is never named by a rule: the pipeline alone owns that axis (it stacks stage
+  parameter buffers along it). A layer that named "pipe" would make XLA insert
+  collectives inside one stage's branch, which deadlocks (see DESIGN.md).
+
+Adding tensor parallelism later means adding a mesh axis and pointing e.g. "mlp" or
+"heads" at it here; the models need no change.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid.mesh import DATA
+
+# What each logical name means (documentation and the set the tests check against).
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "examples of a batch (activations, inputs, targets)",
+    "length": "time / sequence position",
+    "vocab": "token vocabulary (embedding rows, softmax columns)",
+    "embed": "model / embedding width (GPT d_model, LSTM projection or input width)",
+    "positions": "learned position-embedding rows",
+    "heads": "attention heads",
+    "kv": "per-head feature width",
+    "qkv": "the query/key/value triple of a fused attention projection",
+    "mlp": "transformer feed-forward hidden width",
+    "lstm_in": "input width of an LSTM layer",
+    "lstm_hidden": "LSTM cell / hidden width",
+    "lstm_gates": "the 4 x hidden gate pre-activations of an LSTM",
+    "attention": "additive-attention hidden width (GNMT)",
+    "conv_height": "convolution kernel height",
+    "conv_width": "convolution kernel width",
+    "conv_in": "convolution input channels",
+    "conv_out": "convolution output channels (also BatchNorm features)",
+    "classes": "classifier outputs",
+}
+
+# Rules for the ("data", "pipe") mesh: only the batch is split; weights replicated.
+DATA_PIPE_RULES: tuple[tuple[str, Any], ...] = (("batch", DATA),) + tuple(
+    (name, None) for name in LOGICAL_AXES if name != "batch")
+
+
+def logical_axis_rules() -> tuple[tuple[str, Any], ...]:
+    """The (logical name, mesh axis or None) rules for the ("data", "pipe") mesh."""
+    return DATA_PIPE_RULES
+
+
+@contextlib.contextmanager
+def axis_rules() -> Iterator[None]:
+    """`with axis_rules(): ...` — flax's `nn.logical_axis_rules` with jaxhybrid's rules."""
+    with nn.logical_axis_rules(DATA_PIPE_RULES):
+        yield
+
+
+def logical_to_mesh_spec(names: tuple[str | None, ...]) -> P:
+    """Logical names of one array's dimensions -> its PartitionSpec on the mesh."""
+    unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"logical_to_mesh_spec: unknown logical axes {unknown}; "
+                         f"known: {sorted(LOGICAL_AXES)}.")
+    return nn.logical_to_mesh_axes(names, DATA_PIPE_RULES)
+
+
+def param_mesh_specs(boxed_variables: Any) -> Any:
+    """Boxed (not yet unboxed) flax variables -> tree of PartitionSpecs on the mesh.
+    Unannotated leaves get P() (replicated)."""
+    logical = nn.get_partition_spec(boxed_variables)
+    return jax.tree.map(lambda spec: logical_to_mesh_spec(tuple(spec)), logical,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def unannotated_params(boxed_variables: Any) -> list[str]:
+    """Paths of "params" leaves that carry no logical axis names (should be empty for
+    every jaxhybrid model). Flax boxes annotated leaves in `nn.LogicallyPartitioned`."""
+    params = boxed_variables.get("params", {})
+    flat = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    return [jax.tree_util.keystr(path) for path, leaf in flat
+            if not isinstance(leaf, nn.LogicallyPartitioned)
+            or len(leaf.names) != len(getattr(leaf.value, "shape", ()))]

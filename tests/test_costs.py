@@ -1,0 +1,149 @@
+"""plan.profile on a small heterogeneous layer list: XLA FLOPs, exact byte counts,
+residual memory with and without recomputation, measured times, serialisation, errors."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.plan import LayerCost, cost_arrays, layer_times, profile
+
+B, T, VOCAB, EMB, CONV, HID, CLASSES = 4, 8, 50, 16, 24, 64, 10
+F32 = 4
+
+
+class Embed(nn.Module):
+    """int tokens [B, T] -> [B, T, EMB] (no input gradient: integer input)."""
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Embed(VOCAB, EMB)(ids)
+
+
+class Conv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Conv(CONV, (3,))(x))
+
+
+class Norm(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+
+
+class Dense(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.features)(x)
+
+
+class Head(nn.Module):
+    """Loss-like head: mean over time, logits, log-softmax."""
+    @nn.compact
+    def __call__(self, x):
+        return jax.nn.log_softmax(nn.Dense(CLASSES)(x.mean(axis=1)))
+
+
+LAYERS = [Embed(), Conv(), Norm(), Dense(HID), Dense(HID), Head()]
+IDS = np.arange(B * T, dtype=np.int32).reshape(B, T) % VOCAB
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return profile(LAYERS, IDS)
+
+
+def test_one_cost_per_layer_with_names(costs):
+    assert [c.name for c in costs] == ["Embed_0", "Conv_1", "Norm_2", "Dense_3", "Dense_4", "Head_5"]
+    assert all(c.batch_size == B and not c.measured for c in costs)
+
+
+def test_flops_positive_and_backward_about_twice_forward(costs):
+    for c in costs[1:]:   # the embedding gather has no multiply-adds worth counting
+        assert c.fwd_flops > 0 and c.bwd_flops > 0, c.name
+    for c, fan_in in zip(costs[3:5], (CONV, HID)):   # dense: input + weight grads = 2 x fwd
+        assert c.fwd_flops == pytest.approx(2 * B * T * fan_in * HID, rel=0.05)
+        assert c.bwd_flops == pytest.approx(2 * c.fwd_flops, rel=0.05)
+    conv = costs[1]
+    # 3-tap 'SAME' conv: XLA skips the multiply-adds with the zero padding at both ends.
+    assert conv.fwd_flops == pytest.approx(2 * B * (3 * T - 2) * EMB * CONV, rel=0.05)
+    assert conv.bwd_flops == pytest.approx(2 * conv.fwd_flops, rel=0.2)
+
+
+def test_param_and_state_bytes_exact(costs):
+    expect_params = [VOCAB * EMB, 3 * EMB * CONV + CONV, 2 * CONV, HID * CONV + HID,
+                     HID * HID + HID, HID * CLASSES + CLASSES]
+    assert [c.param_count for c in costs] == expect_params
+    assert [c.param_bytes for c in costs] == [F32 * n for n in expect_params]
+    assert costs[2].state_bytes == F32 * 2 * CONV                   # BatchNorm mean + var
+    assert [c.state_bytes for i, c in enumerate(costs) if i != 2] == [0] * 5
+
+
+def test_activation_bytes_exact(costs):
+    outs = [B * T * EMB, B * T * CONV, B * T * CONV, B * T * HID, B * T * HID, B * CLASSES]
+    assert [c.out_bytes for c in costs] == [F32 * n for n in outs]
+    assert costs[0].in_bytes == IDS.nbytes
+    assert [c.in_bytes for c in costs[1:]] == [c.out_bytes for c in costs[:-1]]
+    # Recomputation keeps only the layer input.
+    assert [c.saved_bytes_remat for c in costs] == [c.in_bytes for c in costs]
+
+
+def test_recompute_keeps_less_than_saving_residuals(costs):
+    for c in costs[1:5]:   # conv + relu, batch norm, dense keep more than their input
+        assert c.saved_bytes > 0
+    for c in (costs[1], costs[2]):
+        assert c.saved_bytes_remat < c.saved_bytes, c.name
+    # Dense keeps its input (same size as the remat input) and no parameters.
+    assert costs[3].saved_bytes == costs[3].in_bytes
+
+
+def test_roofline_times_follow_the_peaks():
+    c = profile(LAYERS[3:5], np.ones((B, T, CONV), np.float32), peak_flops=1e9, memory_bandwidth=1e15)
+    for x in c:
+        assert x.fwd_time == pytest.approx(x.fwd_flops / 1e9)
+        assert x.bwd_time == pytest.approx(x.bwd_flops / 1e9)
+    np.testing.assert_allclose(layer_times(c), [x.fwd_time + x.bwd_time for x in c])
+
+
+def test_measure_gives_positive_times():
+    c = profile(LAYERS[2:4], np.ones((B, T, CONV), np.float32), measure=True, repeats=1)
+    assert all(x.measured and x.fwd_time > 0 and x.bwd_time > 0 for x in c)
+
+
+def test_dict_round_trip_and_scaling(costs):
+    for c in costs:
+        d = c.to_dict()
+        assert set(d) == {f.name for f in dataclasses.fields(LayerCost)}
+        assert LayerCost.from_dict(d) == c
+    twice = costs[3].scaled(2 * B)
+    assert twice.fwd_flops == 2 * costs[3].fwd_flops and twice.out_bytes == 2 * costs[3].out_bytes
+    assert twice.param_bytes == costs[3].param_bytes and twice.batch_size == 2 * B
+    arr = cost_arrays(costs)
+    np.testing.assert_array_equal(arr["param_bytes"], [c.param_bytes for c in costs])
+
+
+def test_given_variables_and_names():
+    x = np.ones((B, T, CONV), np.float32)
+    v = [jax.tree.map(jnp.zeros_like, LAYERS[3].init(jax.random.key(0), x))]
+    (c,) = profile(LAYERS[3:4], x, variables=v, names=["fc"])
+    assert c.name == "fc" and c.param_bytes == F32 * (HID * CONV + HID)
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (([], IDS), {}, "layers is empty"),
+    ((LAYERS[:2], IDS), {"names": ["a"]}, "1 names for 2 layers"),
+    ((LAYERS[:2], IDS), {"variables": [{}]}, "1 variable dicts for 2 layers"),
+    ((LAYERS[:1], np.float32(1.0)), {}, "batch dimension"),
+])
+def test_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        profile(*args, **kwargs)
+
+
+def test_scaled_rejects_bad_batch(costs):
+    with pytest.raises(ValueError, match="batch_size=0"):
+        costs[0].scaled(0)
