@@ -271,10 +271,13 @@ class Pipeline:
             mb_in = self._microbatch(inputs, "inputs")
             mb_tg = self._microbatch(targets, "targets")
             rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
-            lay = self._layouts(mb_in, mb_tg, loss_fn, train,
-                                jax.ShapeDtypeStruct(rng_arg.shape, rng_arg.dtype) if rng is not None else None)
-            body = runtime.build_train_program(self, loss_fn, self.schedule, lay, mb_in, train,
-                                               rng is not None)
+            if self.num_stages == 1:
+                body = runtime.build_single_stage_program(self, loss_fn, train, rng is not None)
+            else:
+                lay = self._layouts(mb_in, mb_tg, loss_fn, train, jax.ShapeDtypeStruct(
+                    rng_arg.shape, rng_arg.dtype) if rng is not None else None)
+                body = runtime.build_train_program(self, loss_fn, self.schedule, lay, mb_in,
+                                                   train, rng is not None)
             state = {c: variables[c] for c in self.state_collections}
             loss, grads, new_state = jax.shard_map(
                 body, mesh=self.mesh,

@@ -75,33 +75,20 @@ def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> Buffers:
     leaves = jax.tree.leaves(tree)
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
+    # Written leaf by leaf into a fresh zero buffer (in-place dynamic_update_slice at static
+    # offsets) rather than with one concatenate: XLA CPU emits a fused concatenate as a
+    # per-element loop over all operands, which cost more than the stage's own matmuls.
     out = {}
     for name, total in lengths.items():
-        parts = [jnp.reshape(leaf, (-1,)).astype(name)
-                 for leaf, d in zip(leaves, layout.dtypes) if d == name]
-        used = sum(p.shape[0] for p in parts)
+        used = sum(math.prod(sh) for sh, d in zip(layout.shapes, layout.dtypes) if d == name)
         if used > total:
             raise ValueError(f"pack: {used} {name} values do not fit a buffer of {total}")
-        if used < total:
-            parts.append(jnp.zeros((total - used,), name))
-        out[name] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    return out
-
-
-def add_into(layout: Layout, tree: PyTree, buffers: Buffers) -> Buffers:
-    """buffers + pack(tree), written leaf by leaf in place (dynamic_update_slice at static
-    offsets). Accumulating gradients this way avoids materialising a packed copy: XLA CPU
-    turns concatenate+add into one elementwise loop that branches over every operand per
-    element, which was 10x slower than the stage's own math in the tick loop."""
-    leaves = jax.tree.leaves(tree)
-    if len(leaves) != len(layout.shapes):
-        raise ValueError(f"add_into: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
-    out = dict(buffers)
-    for leaf, name, off in zip(leaves, layout.dtypes, layout.offsets):
-        flat = jnp.reshape(leaf, (-1,)).astype(name)
-        buf = out[name]
-        cur = jax.lax.dynamic_slice_in_dim(buf, off, flat.shape[0])
-        out[name] = jax.lax.dynamic_update_slice_in_dim(buf, cur + flat, off, 0)
+        buf = jnp.zeros((total,), name)
+        for leaf, d, off in zip(leaves, layout.dtypes, layout.offsets):
+            if d == name:
+                flat = jnp.reshape(leaf, (-1,)).astype(name)
+                buf = jax.lax.dynamic_update_slice_in_dim(buf, flat, off, 0)
+        out[name] = buf
     return out
 
 

@@ -222,7 +222,7 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
         return (packing.zeros(lay.act_len), packing.zeros(lay.res_len), st_bufs, jnp.float32(0))
 
     def bwd_branch(s):
-        def run(p_bufs, res_bufs, g_in, acc):
+        def run(p_bufs, res_bufs, g_in):
             params = packing.unpack(lay.params[s], p_bufs)
             kept = packing.unpack_leaves(lay.res[s], res_bufs)
             vjp_fn = residuals.rebuild(s, kept, params)
@@ -231,14 +231,14 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
             else:
                 ct = packing.unpack_leaves(lay.grad[s + 1], g_in)
             grads = vjp_fn(ct)
-            acc = packing.add_into(lay.params[s], grads[0], acc)
+            g_params = packing.pack(lay.params[s], grads[0], pipe.param_len)
             g_out = (packing.pack(lay.grad[s], grads[1], lay.grad_len) if s > 0
                      else packing.zeros(lay.grad_len))
-            return g_out, acc
+            return g_out, g_params
         return run
 
-    def bwd_idle(p_bufs, res_bufs, g_in, acc):
-        return packing.zeros(lay.grad_len), acc
+    def bwd_idle(p_bufs, res_bufs, g_in):
+        return packing.zeros(lay.grad_len), packing.zeros(pipe.param_len)
 
     fwd_branches = [fwd_idle] + [fwd_branch(s) for s in range(S)]
     bwd_branches = [bwd_idle] + [bwd_branch(s) for s in range(S)]
@@ -269,9 +269,13 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
                 _get_row(c["act_in"], row[_ACT_READ]), _take(inputs, m), _take(targets, m),
                 d * M + m, rng)
             stash = _set_row(c["stash"], row[_STASH_W], res)
-            g_out, acc = lax.switch(
+            # The gradient is accumulated outside the switch: a carried buffer passed through
+            # a conditional is copied, and XLA CPU fuses concatenate+add inside a branch
+            # into a slow per-element loop.
+            g_out, g_params = lax.switch(
                 jnp.where(bm >= 0, s + 1, 0), bwd_branches, p_bufs,
-                _get_row(stash, row[_STASH_R]), _get_row(c["grad_in"], row[_GRAD_READ]), c["acc"])
+                _get_row(stash, row[_STASH_R]), _get_row(c["grad_in"], row[_GRAD_READ]))
+            acc = {k: c["acc"][k] + g_params[k] for k in c["acc"]}
             if S > 1:
                 act, g_out = _ppermute(act, down), _ppermute(g_out, up)
             return dict(act_in=_set_row(c["act_in"], row[_ACT_RECV], act),
@@ -344,5 +348,48 @@ def build_forward_program(pipe, sched: Schedule, lay: StageLayouts, train: bool,
         out = {k: lax.psum(v[:M], PIPE) for k, v in c["out"].items()}
         return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]),
                             packing.unpack(out_lay, out))
+
+    return per_device
+
+
+def build_single_stage_program(pipe, loss_fn: Callable, train: bool, has_rng: bool):
+    """pipe = 1: nothing to pipeline, so no ticks, stash or switch. Parameters are unpacked
+    once, microbatches run in a scan under jax.value_and_grad with gradients accumulated
+    as trees, and the packed gradient is built once: the 1x1 step then costs what a plain
+    jitted step does. Same semantics as the tick program (microbatch order, rngs, state)."""
+    M, prog = pipe.num_microbatches, pipe.programs[0]
+    layouts = pipe.param_layouts[0]
+
+    def per_device(p_bufs, st_bufs, inputs, targets, rng):
+        d = lax.axis_index(DATA)
+        params = packing.unpack(layouts["params"], {k: v[0] for k, v in p_bufs.items()})
+        state = pipe.stage_state_from_collections(0, {
+            c: packing.unpack(layouts[c], {k: v[0] for k, v in st_bufs[c].items()})
+            for c in pipe.state_collections})
+        split = lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:])
+        xs, ys = jax.tree.map(split, inputs), jax.tree.map(split, targets)
+
+        def microbatch(carry, m_x_y):
+            state, acc, total = carry
+            m, x, y = m_x_y
+
+            def loss_of(p):
+                out, new_state = prog.apply(pipe.layers, p, state, x, train=train,
+                                            rng=rng if has_rng else None, microbatch=d * M + m)
+                return jnp.asarray(loss_fn(out, y), jnp.float32) / M, new_state
+
+            (loss, new_state), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return (new_state, jax.tree.map(jnp.add, acc, g), total + loss), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (state, grads, loss), _ = lax.scan(microbatch, (state, zeros, jnp.float32(0)),
+                                           (jnp.arange(M), xs, ys))
+        g_bufs = packing.pack(layouts["params"], grads, pipe.param_len)
+        by_coll = pipe.stage_state_to_collections(0, state)
+        new_state = {c: packing.pack(layouts[c], by_coll[c], pipe.state_len[c])
+                     for c in pipe.state_collections}
+        mean = lambda v: lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.floating) else v
+        return (lax.pmean(loss, DATA), {k: lax.pmean(v, DATA)[None] for k, v in g_bufs.items()},
+                {c: {k: mean(v)[None] for k, v in b.items()} for c, b in new_state.items()})
 
     return per_device
