@@ -5,7 +5,8 @@
 Prints, for each (schedule, S, M):
   * the bubble fraction read off the schedule's task table (backward = 2 x forward);
   * per-device temp memory of the compiled step (`memory_analysis().temp_size_in_bytes`);
-  * parameter bytes per device and the padding waste of the packed stage buffers;
+  * parameter bytes per device and the padding waste of the packed stage buffers (also
+    for the tiny jaxhybrid.models with the planner's split);
 and two ratios measured in one run:
   * process CPU-seconds of a pipelined step (data=1, pipe=4, M=8, remat "none") over a
     data-parallel step (data=4, pipe=1) of the same model and global batch. Simulated
@@ -36,12 +37,16 @@ from jaxhybrid.layers import apply_layer, init_layer
 from jaxhybrid.plan.topology import fmt_bytes
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "mlp", "mlp (8 Dense layers) | a jaxhybrid.models name.")
+flags.DEFINE_string("model", "mlp", "mlp (residual Dense blocks + head) | a jaxhybrid.models name.")
+flags.DEFINE_integer("blocks", 15, "mlp residual blocks (+ 1 head layer: 16 layers split "
+                     "4 ways leave one stage a block short, the rest even).")
 flags.DEFINE_string("size", "tiny", "model size for jaxhybrid.models names.")
 flags.DEFINE_integer("width", 512, "mlp hidden width.")
 flags.DEFINE_integer("microbatch", 16, "examples per microbatch.")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median) for the CPU-seconds ratios.")
 flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
+flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
+                  "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
 
 
 class _Block(nn.Module):
@@ -64,10 +69,10 @@ def _xent(logits, labels):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
 
-def bench_model(name: str, size: str = "tiny", width: int = 512):
+def bench_model(name: str, size: str = "tiny", width: int = 512, blocks: int = 15):
     """(layers, loss_fn, make_batch(n) -> (inputs, targets)) of the benchmark model."""
     if name == "mlp":
-        layers = [_Block(width) for _ in range(7)] + [_Head()]
+        layers = [_Block(width) for _ in range(blocks)] + [_Head()]
 
         def make_batch(n, seed=0):
             r = np.random.default_rng(seed)
@@ -170,12 +175,26 @@ def print_memory_table(rows) -> None:
         print(f"{schedule}: temp memory M={hi} / M={lo} = {t[hi] / max(1, t[lo]):.2f}x")
 
 
+def padding_table(names, S: int = 4, M: int = 8) -> None:
+    """Padding waste of the packed parameter buffers with the planner's split."""
+    from jaxhybrid.models import get_model
+    print(f"\npadding waste of packed parameters, S={S}, planner boundaries (tiny models):")
+    for name in names:
+        spec = get_model(name, size="tiny")
+        p = jp.Pipeline(spec.layers, mesh=jh.make_mesh(data=1, pipe=S), num_microbatches=M,
+                        remat="none")
+        p.init(jax.random.key(0), spec.sample_batch(2 * M)[0])
+        pad = p.padding_stats()
+        print(f"  {name:13} layers={len(spec.layers):3} boundaries={p.boundaries} "
+              f"params={pad['total_params']:,} padding={pad['padding_waste']:.1%}")
+
+
 def main(argv) -> None:
     del argv
     if jax.device_count() < 8:
         raise SystemExit(f"bench pipeline: needs 8 devices, found {jax.device_count()}; on CPU "
                          f"set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
-    layers, loss_fn, make_batch = bench_model(FLAGS.model, FLAGS.size, FLAGS.width)
+    layers, loss_fn, make_batch = bench_model(FLAGS.model, FLAGS.size, FLAGS.width, FLAGS.blocks)
     mb = FLAGS.microbatch
     per_layer = init_per_layer(layers, make_batch(2)[0])
     print(f"model={FLAGS.model} layers={len(layers)} microbatch={mb} "
@@ -183,6 +202,8 @@ def main(argv) -> None:
           f"cores={os.cpu_count()}\n")
     print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
                                     [int(m) for m in FLAGS.memory_m]))
+    if FLAGS.padding_models:
+        padding_table(FLAGS.padding_models)
 
     batch = make_batch(8 * mb)   # one global batch for both layouts
     piped = pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=4, M=8)[:2]

@@ -379,11 +379,17 @@ def build_single_stage_program(pipe, loss_fn: Callable, train: bool, has_rng: bo
                 return jnp.asarray(loss_fn(out, y), jnp.float32) / M, new_state
 
             (loss, new_state), g = jax.value_and_grad(loss_of, has_aux=True)(params)
-            return (new_state, jax.tree.map(jnp.add, acc, g), total + loss), None
+            acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+            return (new_state, acc, total + loss), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (state, grads, loss), _ = lax.scan(microbatch, (state, zeros, jnp.float32(0)),
-                                           (jnp.arange(M), xs, ys))
+        # The first microbatch starts the sums (no zero-filled accumulator to add into);
+        # with M = 1 there is no scan at all.
+        first = jax.tree.map(lambda a: a[0], (xs, ys))
+        (state, grads, loss), _ = microbatch(
+            (state, None, jnp.float32(0)), (jnp.int32(0), *first))
+        if M > 1:
+            rest = jax.tree.map(lambda a: a[1:], (jnp.arange(M), xs, ys))
+            (state, grads, loss), _ = lax.scan(microbatch, (state, grads, loss), rest)
         g_bufs = packing.pack(layouts["params"], grads, pipe.param_len)
         by_coll = pipe.stage_state_to_collections(0, state)
         new_state = {c: packing.pack(layouts[c], by_coll[c], pipe.state_len[c])
