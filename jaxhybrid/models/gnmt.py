@@ -94,6 +94,13 @@ class TargetEmbed(_Layer):
         return {"src": x["src"], "enc": x["x"], "x": emb}
 
 
+def _symmetric_uniform(scale: float):
+    # nn.initializers.uniform(s) draws from [0, s): an all-positive attention vector.
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -scale, scale)
+    return init
+
+
 class BahdanauAttention(nn.Module):
     """Normalised additive attention: score = g * v/|v| . tanh(Wq q + Wk k + b)."""
     attention_dim: int
@@ -107,7 +114,7 @@ class BahdanauAttention(nn.Module):
         k = nn.Dense(A, use_bias=False, dtype=cd, name="key",
                      kernel_init=dense_init("lstm_hidden", "attention"))(keys)
         b = self.param("bias", zeros_init("attention"), (A,))
-        v = self.param("v", logical(nn.initializers.uniform(2 / np.sqrt(A)), "attention"), (A,))
+        v = self.param("v", logical(_symmetric_uniform(1 / np.sqrt(A)), "attention"), (A,))
         g = self.param("g", logical(nn.initializers.constant(1 / np.sqrt(A))), ())
         v = (g * v / jnp.linalg.norm(v)).astype(cd)
         hidden = jnp.tanh(q[:, :, None, :] + k[:, None, :, :] + b.astype(cd))   # [B,T,S,A]

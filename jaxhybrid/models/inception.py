@@ -189,7 +189,7 @@ class AuxHead(_Block):
     def __call__(self, x, train: bool = False):
         a = nn.avg_pool(x, (5, 5), strides=(3, 3))
         a = self.conv(128)(a, train)
-        a = ConvBN(768, (5, 5), bn_momentum=self.bn_momentum, dtype=self.dtype)(a, train)
+        a = self.conv(768, (5, 5))(a, train)      # scaled by the width like every conv
         a = jnp.mean(a, axis=(1, 2))
         logits = nn.Dense(self.num_classes, dtype=self.dtype,
                           kernel_init=normal_init(0.001, "embed", "classes"),

@@ -1,0 +1,73 @@
+"""Moving host batches onto the ("data", "pipe") mesh.
+
+A batch's leading (example) dimension is split over "data" and replicated over "pipe":
+every pipeline stage of a data replica sees that replica's examples (the first stage
+reads the inputs, the last the targets). Meshes from `jaxhybrid.make_mesh` have Auto
+axes, but Explicit-axis meshes need their inputs already sharded the same way, so
+placing every leaf with NamedSharding(mesh, P("data")) suits both.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Iterable, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid.mesh import DATA
+
+PyTree = Any
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading dim over "data", everything else (and "pipe") replicated."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def place_batch(batch: PyTree, mesh: Mesh) -> PyTree:
+    """Every leaf of `batch` (numpy or jax arrays, leading dim = examples) as a jax.Array
+    sharded P("data") on `mesh`. On several processes each passes its own part of the
+    global batch (jax.make_array_from_process_local_data assembles them)."""
+    if DATA not in mesh.axis_names:
+        raise ValueError(f"place_batch: mesh axes {mesh.axis_names} lack {DATA!r}; build "
+                         f"the mesh with jaxhybrid.make_mesh(data=..., pipe=...).")
+    sharding = batch_sharding(mesh)
+    data_size = mesh.shape[DATA]
+    multi_process = jax.process_count() > 1
+
+    def put(x):
+        shape = np.shape(x)
+        if not shape:
+            raise ValueError("place_batch: a batch leaf is a scalar; every leaf needs a "
+                             "leading batch dimension.")
+        if multi_process:
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        if shape[0] % data_size:
+            raise ValueError(f"place_batch: batch dimension {shape[0]} is not divisible by "
+                             f"the mesh's data axis ({data_size}); use a batch size that "
+                             f"is a multiple of {data_size}.")
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, batch)
+
+
+def prefetch_to_mesh(iterator: Iterable[PyTree], mesh: Mesh, size: int = 2) -> Iterator[PyTree]:
+    """Yields the batches of `iterator` placed on `mesh`, keeping `size` of them already
+    placed ahead. jax.device_put returns at once and copies in the background, so the
+    host->device transfer of the next batches overlaps the current step's compute."""
+    if not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"prefetch_to_mesh: size={size!r} must be a positive int.")
+    it = iter(iterator)
+    queue: collections.deque = collections.deque()
+
+    def enqueue(n):
+        for batch in itertools.islice(it, n):
+            queue.append(place_batch(batch, mesh))
+
+    enqueue(size)
+    while queue:
+        yield queue.popleft()
+        enqueue(1)
