@@ -1,10 +1,22 @@
 """Projects time to accuracy of DP-only vs hybrid DP x PP training for 8..1024 devices.
 
-    python scripts/project.py --model=inception_v3 --devices=8,16,32,64,128,256,512,1024 \
-        --hardware=v100_dgx1 --out=proj.png [--json]
+    python scripts/project.py --model=inception_v3 --devices=8,16,32,64,128,256,512,1024
+    python scripts/project.py --model=gnmt --hardware=a100_dgx --json > gnmt.json
+    python scripts/project.py --model=biglstm --stat_points=1024:60000,4096:21000,16384:9000
 
-Prints the best data-parallel-only and the best hybrid configuration for each N, the
-speedup and the crossover N (see docs/projection.md for every assumption).
+Prints the best data-parallel-only and the best hybrid configuration for each N (step
+time, epochs to target, hours), the speedup, the crossover N and the at-scale gain (best
+DP over all N vs best hybrid over all N), and writes a PNG of time to accuracy vs N
+(--out; default projection_<model>_<hardware>.png, --out= to skip). --json prints the
+same as JSON. Every assumption is in docs/projection.md.
+
+Costs: --costs=reference (analytic full-size costs of inception_v3 / gnmt / biglstm),
+--costs=profile (XLA cost analysis of jaxhybrid.models at --size, scaled to the target
+device by its peak FLOP/s and memory bandwidth) or --costs=measured (layers timed on
+this machine; use with --hardware=measured).
+Statistical efficiency: the model's documented default, modified by --e_min / --b_noise
+/ --max_batch, or fitted to measured (global batch, steps to target) points given as
+--stat_points=B:S,B:S,... (--stat_kind=epochs for epochs instead of steps).
 """
 from __future__ import annotations
 
@@ -17,38 +29,82 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "inception_v3", "inception_v3 | gnmt | biglstm (or any "
                     "jaxhybrid.models name with --costs=profile and --per_worker_batch).")
 flags.DEFINE_list("devices", "8,16,32,64,128,256,512,1024", "device counts N to project.")
-flags.DEFINE_string("hardware", "v100_dgx1", "v100_dgx1 | a100_dgx | h100_dgx.")
+flags.DEFINE_string("hardware", "v100_dgx1", "v100_dgx1 | a100_dgx | h100_dgx | measured.")
 flags.DEFINE_integer("per_worker_batch", None, "examples per DP worker (default: per model).")
-flags.DEFINE_string("costs", "reference", "reference (analytic, full size) | profile.")
-flags.DEFINE_string("size", "full", "model size to profile with --costs=profile.")
-flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search.")
+flags.DEFINE_string("costs", "reference", "reference (analytic, full size) | profile | measured.")
+flags.DEFINE_string("size", "full", "model size to profile with --costs=profile/measured.")
+flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--costs=profile).")
+flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (gpipe, 1f1b).")
+flags.DEFINE_list("microbatches", None, "microbatch counts to search (default: every divisor "
+                  "of the per-worker batch).")
 flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.")
 flags.DEFINE_float("b_noise", None, "override the gradient noise scale B_noise (examples).")
 flags.DEFINE_float("e_min", None, "override the small-batch epochs to target E_min.")
 flags.DEFINE_float("max_batch", None, "critical batch: no fewer steps beyond it.")
+flags.DEFINE_list("stat_points", None, "measured points BATCH:STEPS (or BATCH:EPOCHS with "
+                  "--stat_kind=epochs) to fit the statistical-efficiency curve to.")
+flags.DEFINE_enum("stat_kind", "steps", ["steps", "epochs"], "what --stat_points measure.")
+flags.DEFINE_float("dataset_size", None, "examples per epoch (default: the model's).")
 flags.DEFINE_bool("json", False, "print JSON instead of the table.")
 flags.DEFINE_bool("all_configs", False, "with --json: include every configuration tried.")
-flags.DEFINE_string("out", None, "write a PNG of time to accuracy vs N here.")
+flags.DEFINE_string("out", None, "PNG of time to accuracy vs N (default "
+                    "projection_<model>_<hardware>.png; empty: no PNG).")
+
+
+def _points(items):
+    pts = []
+    for item in items:
+        parts = str(item).split(":")
+        try:
+            b, y = (float(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"--stat_points entry {item!r}: write BATCH:STEPS, e.g. 4096:21000.")
+        pts.append((b, y))
+    return pts
+
+
+def stat_curve():
+    """The statistical-efficiency curve the flags ask for (None: the model's default)."""
+    from jaxhybrid.plan import stat_efficiency as se
+    default = se.MODEL_DEFAULTS.get(FLAGS.model)
+    dataset = FLAGS.dataset_size or (default.dataset_size if default else None)
+    if FLAGS.stat_points:
+        if FLAGS.b_noise or FLAGS.e_min:
+            raise ValueError("--stat_points fits B_noise and E_min; drop --b_noise/--e_min.")
+        return se.fit(_points(FLAGS.stat_points), dataset_size=dataset, kind=FLAGS.stat_kind,
+                      max_batch=FLAGS.max_batch, name=f"{FLAGS.model}/fit")
+    if FLAGS.b_noise or FLAGS.e_min or FLAGS.max_batch or FLAGS.dataset_size:
+        if default is None:
+            raise ValueError(f"--b_noise/--e_min/--max_batch modify a default curve; "
+                             f"{FLAGS.model!r} has none: pass --stat_points.")
+        return se.StatEfficiency.from_epochs(
+            FLAGS.e_min or default.e_min, FLAGS.b_noise or default.b_noise, dataset,
+            max_batch=FLAGS.max_batch or default.max_batch, name=default.name,
+            source="command line")
+    if default is None:
+        raise ValueError(f"no statistical-efficiency default for {FLAGS.model!r}; pass "
+                         f"--stat_points (and --dataset_size for epochs).")
+    return default
 
 
 def main(argv):
     del argv
-    from jaxhybrid.plan import hybrid, stat_efficiency
+    from jaxhybrid.plan import hybrid
     try:
         devices = [int(d) for d in FLAGS.devices]
-        stat = stat_efficiency.default_for(FLAGS.model) if FLAGS.model in \
-            stat_efficiency.MODEL_DEFAULTS else None
-        if FLAGS.b_noise or FLAGS.e_min or FLAGS.max_batch:
-            if stat is None:
-                raise ValueError(f"--b_noise/--e_min need a default curve to modify; "
-                                 f"{FLAGS.model!r} has none.")
-            stat = stat_efficiency.StatEfficiency.from_epochs(
-                FLAGS.e_min or stat.e_min, FLAGS.b_noise or stat.b_noise, stat.dataset_size,
-                max_batch=FLAGS.max_batch or stat.max_batch, name=stat.name, source="command line")
-        proj = hybrid.project(FLAGS.model, devices, FLAGS.hardware,
-                              per_worker_batch=FLAGS.per_worker_batch, stat=stat,
-                              costs=FLAGS.costs, size=FLAGS.size, schedules=FLAGS.schedules,
-                              max_pipe=FLAGS.max_pipe)
+        costs = FLAGS.costs
+        if costs not in ("reference", "profile", "measured"):
+            raise ValueError(f"--costs={costs!r}: choose reference, profile or measured.")
+        if costs == "measured":
+            from jaxhybrid.models import get_model
+            from jaxhybrid.plan.costs import profile
+            spec = get_model(FLAGS.model, FLAGS.size)
+            costs = profile(spec.layers, spec.sample_batch(FLAGS.profile_batch)[0], measure=True)
+        proj = hybrid.project(
+            FLAGS.model, devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
+            stat=stat_curve(), costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
+            schedules=FLAGS.schedules, max_pipe=FLAGS.max_pipe,
+            microbatches=[int(m) for m in FLAGS.microbatches] if FLAGS.microbatches else None)
     except ValueError as e:
         sys.exit(f"project.py: {e}")
     if FLAGS.json:
@@ -58,10 +114,10 @@ def main(argv):
         print(json.dumps(out, indent=1))
     else:
         print(proj.table())
-    if FLAGS.out:
-        proj.plot(FLAGS.out)
-        if not FLAGS.json:
-            print(f"wrote {FLAGS.out}")
+    path = FLAGS.out if FLAGS.out is not None else f"projection_{FLAGS.model}_{proj.hardware}.png"
+    if path:
+        proj.plot(path)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,20 @@ def test_fit_errors_are_clear():
         default_for("resnet")
     with pytest.raises(ValueError, match="global batch must be > 0"):
         StatEfficiency(1.0, 1.0).steps(0)
+
+
+def test_projection_from_a_fitted_curve_matches_the_true_one():
+    # A user measures steps-to-target at a few global batches; the fitted curve must give
+    # the projection the true curve gives.
+    from jaxhybrid.plan import hybrid
+    true = default_for("gnmt")
+    rng = np.random.RandomState(1)
+    pts = [(b, true.steps(b) * (1 + 0.001 * rng.randn())) for b in (1024, 4096, 16384, 65536)]
+    fitted = fit(pts, dataset_size=true.dataset_size)
+    assert fitted.b_noise == pytest.approx(true.b_noise, rel=0.02)
+    n = [64, 256, 1024]
+    a = hybrid.project("gnmt", n, stat=true).at_scale()
+    b = hybrid.project("gnmt", n, stat=fitted).at_scale()
+    assert b["speedup"] == pytest.approx(a["speedup"], rel=0.01)
+    assert (b["dp"].devices, b["hybrid"].data, b["hybrid"].pipe) == (
+        a["dp"].devices, a["hybrid"].data, a["hybrid"].pipe)

@@ -188,10 +188,13 @@ class Pipeline:
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
         x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
         per_layer = []
-        for i, layer in enumerate(self.layers):
-            variables, x = jax.jit(functools.partial(init_layer, layer, train=False))(
-                jax.random.fold_in(rng, i), x)
-            per_layer.append(variables)
+        # Non-partitionable threefry: initialisers run unsharded here, and XLA CPU takes
+        # about twice as long to compile the partitionable variant (Inception: 48 s -> 23 s).
+        with jax.threefry_partitionable(False):
+            for i, layer in enumerate(self.layers):
+                variables, x = jax.jit(functools.partial(init_layer, layer, train=False))(
+                    jax.random.fold_in(rng, i), x)
+                per_layer.append(variables)
         return self.pack(per_layer)
 
     def pack(self, per_layer: Sequence[dict]) -> dict:

@@ -22,6 +22,16 @@ fragmentation). Parameters cost `param_state_bytes(optimizer_states)` bytes each
 precision keeps a 16-bit copy (2) + 16-bit gradient (2) + float32 master (4) + float32
 optimizer states (4 each).
 
+Engine overheads (`jaxhybrid.plan.hybrid` adds them to pipelined configs, pipe > 1):
+`tick_overhead` seconds of fixed work per device per lock-step tick (loop step, branch
+dispatch, the `ppermute` rendezvous) and `tick_param_bytes` bytes moved per element of
+the device's packed parameter buffer per tick (jaxhybrid's runtime adds the whole
+gradient buffer into its accumulator every tick, also in idle slots, and copies stage
+weights out of the packed buffer) at `mem_bandwidth`. Both are 0 for the GPU presets,
+which model an engine whose per-tick costs vanish next to the layers' (see
+docs/projection.md); `measured_device` sets them from calibration runs (the validation
+bench on the simulated CPU devices, `jaxhybrid.bench.projection_bench`).
+
 Network (see `jaxhybrid.plan.hybrid` for how collectives use it): `p2p_bandwidth` between
 two devices of a node (pipeline sends), `allreduce_bandwidth` the bus bandwidth one
 ring/tree all-reduce gets inside a node, `inter_bandwidth` a node's network cards
@@ -49,7 +59,8 @@ import math
 class Hardware:
     """One device kind in a cluster of nodes. `peak_flops=None` means "use the LayerCost
     times as they are" (costs measured on this very device, e.g. the simulated CPU
-    devices of the validation bench)."""
+    devices of the validation bench); `mem_bandwidth` may then still be given (it prices
+    the engine's buffer traffic and the optimizer update)."""
     name: str
     peak_flops: float | None
     mem_bandwidth: float | None
@@ -67,7 +78,8 @@ class Hardware:
     grad_bytes: float = 2.0          # bytes per parameter in the gradient all-reduce
     weight_bytes: float = 8.0        # per parameter: 16-bit copy + 16-bit grad + fp32 master
     compute_slots: float = math.inf  # devices that can compute at the same time (see hybrid)
-    tick_overhead: float = 0.0       # fixed cost per lock-step pipeline tick
+    tick_overhead: float = 0.0       # fixed work per device per lock-step tick (pipe > 1)
+    tick_param_bytes: float = 0.0    # bytes per packed parameter element per device per tick
     step_overhead: float = 0.0       # fixed cost per training step
     description: str = ""
 
@@ -76,9 +88,17 @@ class Hardware:
                   "efficiency", "bytes_scale", "memory_fraction", "compute_slots"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be > 0.")
-        if (self.peak_flops is None) != (self.mem_bandwidth is None):
-            raise ValueError(f"Hardware {self.name!r}: give both peak_flops and mem_bandwidth, "
-                             f"or neither (then the costs' own times are used).")
+        if self.peak_flops is not None and self.mem_bandwidth is None:
+            raise ValueError(f"Hardware {self.name!r}: peak_flops needs mem_bandwidth too (or "
+                             f"give neither peak: then the costs' own measured times are used).")
+        for f in ("peak_flops", "mem_bandwidth"):
+            if getattr(self, f) is not None and not getattr(self, f) > 0:
+                raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be > 0.")
+        for f in ("tick_overhead", "tick_param_bytes", "step_overhead", "layer_overhead"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be >= 0.")
+        if self.tick_param_bytes and self.mem_bandwidth is None:
+            raise ValueError(f"Hardware {self.name!r}: tick_param_bytes needs mem_bandwidth.")
         if self.devices_per_node < 1:
             raise ValueError(f"Hardware {self.name!r}: devices_per_node must be >= 1.")
 
@@ -124,10 +144,32 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+def measured_device(name: str = "measured", *, memory: float = 16e9, devices_per_node: int = 8,
+                    bandwidth: float = 10e9, mem_bandwidth: float | None = None,
+                    latency: float = 5e-6, **kw) -> Hardware:
+    """A device whose layer times are the costs' own measured times (`plan.profile(...,
+    measure=True)` on that device): no roofline, no scaling. `bandwidth` serves every
+    link (p2p, all-reduce, between nodes: one host, DEFAULT_BANDWIDTH["cpu"] of
+    `jaxhybrid.plan.topology` by default); float32 throughout (bytes_scale 1, 4-byte
+    gradients, 8 bytes of weight + gradient per parameter plus 4 per optimizer
+    state); other fields by keyword
+    (compute_slots, tick_overhead, tick_param_bytes, step_overhead, ...)."""
+    base = dict(peak_flops=None, mem_bandwidth=mem_bandwidth, memory=memory,
+                devices_per_node=devices_per_node, p2p_bandwidth=bandwidth,
+                allreduce_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency,
+                inter_latency=latency, bytes_scale=1.0, grad_bytes=4.0, weight_bytes=8.0,
+                description="layer times as measured on the device itself")
+    return Hardware(name, **{**base, **kw})
+
+
 def get_hardware(name: str | Hardware) -> Hardware:
-    """A preset by name ("v100_dgx1", "a100_dgx", "h100_dgx"), or a Hardware as is."""
+    """A preset by name ("v100_dgx1", "a100_dgx", "h100_dgx", or "measured": the costs' own
+    measured times, see `measured_device`), or a Hardware as is."""
     if isinstance(name, Hardware):
         return name
+    if name == "measured":
+        return measured_device()
     if name not in PRESETS:
-        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)}.")
+        raise ValueError(f"unknown hardware {name!r}; choose one of "
+                         f"{', '.join([*PRESETS, 'measured'])}.")
     return PRESETS[name]

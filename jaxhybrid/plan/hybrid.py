@@ -12,19 +12,26 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 sum over ticks of  max_s work[t, s]  (= `Schedule.tick_times` with the
                 per-stage forward/backward costs), plus per tick the boundary transfer
                 of one activation and one gradient (every device sends both, padded to
-                the largest boundary) and `tick_overhead`;
+                the largest boundary); with pipe > 1 every device's work in every tick
+                also holds the engine's own cost, `tick_overhead` + `tick_param_bytes`
+                x (packed parameter elements per device = the largest stage's) /
+                `mem_bandwidth` (0 for the GPU presets);
                 with finite `compute_slots` (simulated devices sharing C cores) a tick
                 lasts max(max_s work, data * sum_s work / C): the work of all devices in
                 the tick serialises over the cores that are there;
   all-reduce    the gradients of every stage over its `data` replicas, after the flush
                 and not overlapped with compute (Pal et al.'s t_step = t_worker +
                 t_allreduce); see `allreduce_time`;
-  update        the optimizer touching every parameter's state once (memory-bound).
+  update        the optimizer touching the state of every parameter that got a gradient
+                once (memory-bound; sparse tables: the rows touched by any replica;
+                `include_update=False` leaves it out, e.g. to compare with a measured
+                value_and_grad step).
 
 Memory per device: parameter state (`Hardware.param_state_bytes`) + non-param state +
-in-flight microbatches (`Schedule.in_flight`) x saved activations + boundary buffers;
-stages that do not fit recompute their layers (keep layer inputs, bwd += fwd); configs
-that still do not fit are infeasible.
+in-flight microbatches (`Schedule.in_flight`; 1 at pipe = 1, which accumulates one
+microbatch after another) x saved activations + boundary buffers; stages that do not
+fit recompute their layers (keep layer inputs, bwd += fwd); configs that still do not
+fit are infeasible.
 
 Time to accuracy (weak scaling, Pal et al.): global batch B = data * b, steps =
 E(B) * ceil(D / B) with E from `StatEfficiency`, time = steps * step time.
@@ -159,6 +166,8 @@ class Estimate:
     stage_remat: list = dataclasses.field(default_factory=list)
     pipeline_time: float = math.nan
     bubble_fraction: float = math.nan
+    compute_time: float = math.nan   # the ticks' layer work alone (no engine overhead)
+    engine_time: float = 0.0         # what the engine's per-tick costs add to the ticks
     transfer_time: float = 0.0
     allreduce_time: float = 0.0
     update_time: float = 0.0
@@ -183,12 +192,12 @@ def _stage_sums(x: np.ndarray, edges: Sequence[int]) -> np.ndarray:
 
 def worker_step(costs, hw: Hardware, *, pipe: int, num_microbatches: int, per_worker_batch: int,
                 schedule: str = "1f1b", optimizer_states: int = 1, data: int = 1,
-                boundaries: Sequence[int] | None = None) -> Estimate:
+                boundaries: Sequence[int] | None = None, include_update: bool = True) -> Estimate:
     """Step time and memory of one configuration (all-reduce over `data` included),
     without statistical efficiency."""
     est = _pipeline(cost_fn(costs), hw, pipe, num_microbatches, per_worker_batch, schedule,
                     optimizer_states, data, boundaries)
-    return _finish(est, cost_fn(costs), hw, data)
+    return _finish(est, cost_fn(costs), hw, data, optimizer_states if include_update else None)
 
 
 def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: str,
@@ -206,13 +215,17 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     fwd, bwd = layer_times(per_layer, hw)
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
     topo = pipeline_topology(hw, pipe) if pipe > 1 else None
+    if boundaries is not None and len(boundaries) != pipe - 1:
+        raise ValueError(f"boundaries={list(boundaries)}: a {pipe}-stage pipeline needs "
+                         f"{pipe - 1} (the first layer of stages 1..{pipe - 1}).")
     if boundaries is None:
         boundaries = partition(fwd + bwd, pipe, boundary_bytes=out_bytes if topo else None,
                                topology=topo)
     edges = [0, *[int(x) for x in boundaries], L]
     est.boundaries = [int(x) for x in boundaries]
     sched = make_schedule(schedule, pipe, M)
-    inflight = sched.in_flight()
+    # pipe = 1 runs microbatches one after another (gradient accumulation): one in flight.
+    inflight = sched.in_flight() if pipe > 1 else np.ones(1, int)
 
     # Memory, and recomputation for stages that would not fit.
     pstate = hw.param_state_bytes(optimizer_states)
@@ -243,24 +256,35 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
 
     # The lock-step pipeline.
     work = (sched.fwd >= 0) * F[None, :] + (sched.bwd >= 0) * B[None, :]
-    if math.isfinite(hw.compute_slots):
-        ticks = np.maximum(work.max(axis=1), data * work.sum(axis=1) / hw.compute_slots)
-    else:
-        ticks = sched.tick_times(F, B)
+    ticks = _tick_times(work, hw, data)
+    est.compute_time = float(ticks.sum())
     per_tick_comm = 0.0
     if pipe > 1:
         nb = out_bytes[np.array(edges[1:-1]) - 1].max()   # padded to the largest boundary
         per_tick_comm = 2 * max(topo.transfer_time(s, s + 1, nb) for s in range(pipe - 1))
+        engine = hw.tick_overhead + (params.max() * hw.tick_param_bytes / hw.mem_bandwidth
+                                     if hw.tick_param_bytes else 0.0)
+        if engine:
+            ticks = _tick_times(work + engine, hw, data)
+    est.engine_time = float(ticks.sum()) - est.compute_time
     est.transfer_time = per_tick_comm * sched.num_ticks
-    est.pipeline_time = float(ticks.sum() + est.transfer_time + hw.tick_overhead * sched.num_ticks)
+    est.pipeline_time = float(ticks.sum() + est.transfer_time)
     est.bubble_fraction = sched.bubble_fraction(F, B)
-    if not hw.uses_measured_times:
-        est.update_time = float(params.max() * 2 * pstate / hw.mem_bandwidth)
     est.feasible = True
     return est
 
 
-def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int) -> Estimate:
+def _tick_times(work: np.ndarray, hw: Hardware, data: int) -> np.ndarray:
+    """Length of each lock-step tick from the [tick, stage] work of one replica: the
+    slowest device, or, with finite `compute_slots`, the work of all `data` replicas'
+    devices spread over the slots if that takes longer."""
+    if math.isfinite(hw.compute_slots):
+        return np.maximum(work.max(axis=1), data * work.sum(axis=1) / hw.compute_slots)
+    return work.max(axis=1)
+
+
+def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
+            optimizer_states: int | None = 1) -> Estimate:
     """Adds the gradient all-reduce over `data` replicas and totals the step."""
     est = dataclasses.replace(est, data=data, global_batch=data * est.per_worker_batch)
     if not est.feasible:
@@ -268,7 +292,13 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int) -> Estimate:
     per_layer = costs(est.per_worker_batch // est.num_microbatches)
     edges = [0, *est.boundaries, len(per_layer)]
     g = np.array([grad_params(c, data, est.per_worker_batch) for c in per_layer])
-    est.allreduce_time = allreduce_time(hw, data, est.pipe, _stage_sums(g, edges) * hw.grad_bytes)
+    stage_grads = _stage_sums(g, edges)
+    est.allreduce_time = allreduce_time(hw, data, est.pipe, stage_grads * hw.grad_bytes)
+    if optimizer_states is not None and hw.mem_bandwidth:
+        # Every device reads and writes the state of the parameters that got gradients
+        # (all of them; for sparse tables, the rows any replica touched).
+        est.update_time = float(stage_grads.max() * 2 * hw.param_state_bytes(optimizer_states)
+                                / hw.mem_bandwidth)
     est.step_time = est.pipeline_time + est.allreduce_time + est.update_time + hw.step_overhead
     return est
 
@@ -289,14 +319,17 @@ def with_accuracy(est: Estimate, stat: StatEfficiency) -> Estimate:
 
 def step_time(costs, hw: Hardware, *, data: int, pipe: int, num_microbatches: int,
               per_worker_batch: int, schedule: str = "1f1b", optimizer_states: int = 1,
-              stat: StatEfficiency | None = None, boundaries: Sequence[int] | None = None) -> Estimate:
+              stat: StatEfficiency | None = None, boundaries: Sequence[int] | None = None,
+              include_update: bool = True) -> Estimate:
     """One configuration: `worker_step` plus the all-reduce over `data` (and, with
-    `stat`, time to accuracy)."""
+    `stat`, time to accuracy). `boundaries` fixes the stage split (default: the
+    planner's); `include_update=False` drops the optimizer update (a value_and_grad step)."""
     if data < 1 or pipe < 1:
         raise ValueError(f"step_time: data={data} and pipe={pipe} must be >= 1.")
     est = worker_step(costs, hw, pipe=pipe, num_microbatches=num_microbatches,
                       per_worker_batch=per_worker_batch, schedule=schedule,
-                      optimizer_states=optimizer_states, data=data, boundaries=boundaries)
+                      optimizer_states=optimizer_states, data=data, boundaries=boundaries,
+                      include_update=include_update)
     return with_accuracy(est, stat) if stat is not None else est
 
 
@@ -439,7 +472,8 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
                     key = (pipe, m, sched, data if math.isfinite(hw.compute_slots) else None)
                     if key not in cores:
                         cores[key] = _pipeline(cached, hw, pipe, m, b, sched, optimizer_states, data)
-                    rows.append(with_accuracy(_finish(cores[key], cached, hw, data), stat))
+                    rows.append(with_accuracy(_finish(cores[key], cached, hw, data, optimizer_states),
+                                             stat))
     return Projection(model, hw.name, devices, b, stat, rows)
 
 
@@ -452,7 +486,7 @@ def project(model: str, devices: Sequence[int], hardware: str | Hardware = "v100
     costs: None / "reference" = the analytic full-size costs of a paper model
       (`reference_costs`); "profile" = `plan.profile` of `jaxhybrid.models.get_model(model,
       size)` at `profile_batch` examples, scaled to each microbatch; or a list of LayerCost
-      / a function microbatch -> costs.
+      / a function microbatch -> costs (measured ones for hardware "measured").
     stat: statistical efficiency (default: the model's documented default).
     """
     from jaxhybrid.plan import reference_costs as ref
@@ -474,6 +508,10 @@ def project(model: str, devices: Sequence[int], hardware: str | Hardware = "v100
         per_worker_batch = ref.PAPER_MODELS[model].per_worker_batch
     if optimizer_states is None:
         optimizer_states = ref.PAPER_MODELS[model].optimizer_states if known else 2
+    if hw.uses_measured_times and not all(c.measured for c in cost_fn(costs)(per_worker_batch)):
+        raise ValueError(f"project: hardware {hw.name!r} uses the costs' measured times, but "
+                         f"these costs were not timed; profile with measure=True "
+                         f"(scripts/project.py --costs=measured).")
     return search(costs, hw, stat or default_for(model), devices=devices,
                   per_worker_batch=per_worker_batch, optimizer_states=optimizer_states,
                   model=model, **search_kw)
