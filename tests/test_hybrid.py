@@ -2,7 +2,6 @@
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 
 from jaxhybrid.plan import hybrid

@@ -1,0 +1,307 @@
+"""Step-time model vs the real engine: predicted and measured pipeline steps on this host.
+
+    python scripts/bench.py projection [--val_configs=1x2x2,1x4x8,...] [--runs=7]
+
+The "hardware" is this host: 8 simulated CPU devices that share its cores. The model is
+`jaxhybrid.plan.hybrid.step_time` on `measured_device` with
+
+  layer times     `plan.profile(measure=True)` of every layer on one device, at each
+                  microbatch size run (times are not linear in the batch on a CPU);
+  compute_slots   C, how many simulated devices' work runs at once, from data-parallel
+                  scaling of the validation model: C = 8 t(1x1) / t(8x1) (pipe = 1, no
+                  ticks; same per-device batch). It depends on the model's op sizes
+                  (XLA splits big ops over the cores, so one device may already use
+                  them all) and on what else runs on the host, so it is measured here
+                  and now; those two calibration runs are not validation rows;
+  mem_bandwidth   a streaming-add microbenchmark on one device;
+  tick_overhead,  the engine's per-device per-tick costs (fixed, and per element of the
+  tick_param_bytes  packed parameter buffer), least-squares fitted to pipelined runs of a
+                  *calibration* model (the same MLP at twice the width: 4x the parameters,
+                  other layer times) at microbatch 1, where they dominate.
+
+So every validation row (each pipelined config, and DP at data 2 and 4) is held out:
+no number was fitted on it.
+
+Each row is a real `jaxhybrid.pipeline.Pipeline` step (`value_and_grad`, jitted, inputs
+sharded as in training), the median (--reduce=min: the minimum) wall time of `--runs`
+runs after a warm-up, with the planner's boundaries (the ones the model assumes).
+Rows: data x pipe x M; predicted (compute, engine, all-reduce parts) and measured ms,
+relative error, and the same without the engine terms; then the mean absolute relative
+error and the rank correlation of predicted vs measured.
+
+Timings on a shared machine are noisy (other processes take cores); the figures are
+a check of the model's structure (bubbles, ticks, serialisation, engine overheads),
+not of absolute CPU speed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+if "jax" not in __import__("sys").modules:   # simulated devices must exist before jax starts
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.layers import init_layer
+from jaxhybrid.plan import hybrid
+from jaxhybrid.plan.costs import profile
+from jaxhybrid.plan.hardware import Hardware, measured_device
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("val_width", 256, "validation model: hidden width of the residual MLP.")
+flags.DEFINE_integer("val_blocks", 7, "validation model: residual blocks (+ 1 head layer).")
+flags.DEFINE_integer("val_batch", 32, "per-worker batch (examples per data replica).")
+flags.DEFINE_list("val_configs", "2x1x1,4x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x1,1x4x4,1x4x8,"
+                  "2x4x2,1x8x2,1x8x8", "validation configs, data x pipe x microbatches.")
+flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
+                     "validation model so the per-parameter engine cost shows).")
+flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4", "calibration configs (microbatch 1).")
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule (gpipe | 1f1b).")
+flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
+flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the runs of one configuration "
+                  "are summarised (min: steadier on a busy machine).")
+flags.DEFINE_string("json_out", None, "also write the rows and the calibration as JSON here.")
+
+
+# --- the model --------------------------------------------------------------------------
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(self.width)(x)) + x
+
+
+class Head(nn.Module):
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.classes)(x)
+
+
+def xent(logits, labels):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+@dataclasses.dataclass
+class Model:
+    """A residual MLP as pipeline layers, its per-layer variables and a batch maker."""
+    width: int
+    blocks: int
+
+    def __post_init__(self):
+        self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
+        x = jnp.zeros((1, self.width), jnp.float32)
+        self.variables = []
+        for i, layer in enumerate(self.layers):
+            v, x = init_layer(layer, jax.random.key(i), x, train=False)
+            self.variables.append(v)
+        self._costs: dict = {}
+
+    def batch(self, n: int, seed: int = 0):
+        r = np.random.default_rng(seed)
+        return (r.standard_normal((n, self.width), np.float32),
+                r.integers(0, 10, n).astype(np.int32))
+
+    def costs(self, m: int, repeats: int = 7):
+        """Measured per-layer costs at microbatch m (profiled once per size)."""
+        if m not in self._costs:
+            self._costs[m] = profile(self.layers, self.batch(m)[0], measure=True,
+                                     repeats=repeats, variables=self.variables)
+        return self._costs[m]
+
+
+def parse_configs(items) -> list[tuple[int, int, int]]:
+    out = []
+    for item in items:
+        parts = str(item).lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"config {item!r}: write data x pipe x microbatches, e.g. 2x4x8.")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
+# --- measuring --------------------------------------------------------------------------
+def measure_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boundaries,
+                 schedule: str = "1f1b", runs: int = 7, reduce: str = "median") -> float:
+    """Wall seconds of a real Pipeline value_and_grad step (after a warm-up): the median
+    of `runs` runs, or their minimum (reduce="min": steadier when other processes come
+    and go, since their interference only ever adds time)."""
+    mesh = jh.make_mesh(data=data, pipe=pipe, devices=jax.devices()[:data * pipe])
+    p = jp.Pipeline(model.layers, mesh=mesh, num_microbatches=M, schedule=schedule,
+                    boundaries=list(boundaries) if pipe > 1 else [], remat="none")
+    variables = p.pack(model.variables)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x, y = jax.device_put(model.batch(data * batch), sharding)
+    step = p.value_and_grad(xent)
+    jax.block_until_ready(step(variables, x, y))
+    times = []
+    for _ in range(max(1, runs)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(variables, x, y))
+        times.append(time.perf_counter() - t0)
+    return float(min(times) if reduce == "min" else statistics.median(times))
+
+
+def stream_bandwidth(n: int = 1 << 20, loops: int = 20, runs: int = 5) -> float:
+    """Bytes/s of a jitted streaming add (read 2, write 1 float32 per element) on one
+    device, dispatch overhead excluded by looping inside the program."""
+    a = jnp.ones(n, jnp.float32)
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, loops, lambda i, c: c + a * 0.5, a))
+    jax.block_until_ready(f(a))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a))
+        ts.append(time.perf_counter() - t0)
+    return 12.0 * n * loops / statistics.median(ts)
+
+
+# --- the model's prediction -------------------------------------------------------------
+def predict(model: Model, hw: Hardware, *, data: int, pipe: int, M: int, batch: int,
+            schedule: str = "1f1b") -> hybrid.Estimate:
+    """The step-time model's estimate of one value_and_grad step (no optimizer update)."""
+    if batch % M:
+        raise ValueError(f"M={M} does not divide the per-worker batch {batch}.")
+    est = hybrid.step_time(model.costs, hw, data=data, pipe=pipe, num_microbatches=M,
+                           per_worker_batch=batch, schedule=schedule, include_update=False)
+    if not est.feasible:
+        raise ValueError(f"{data}x{pipe}x{M}: {est.reason}")
+    return est
+
+
+def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = "1f1b",
+              runs: int = 7, reduce: str = "median", log=print) -> tuple[Hardware, dict]:
+    """The host as a `measured_device`: C from DP scaling of `model` (1x1 vs all-devices x1
+    at per-worker `batch`), engine costs from pipelined runs of `cal` at microbatch 1."""
+    from scipy.optimize import least_squares
+    n = jax.device_count()
+    bw = stream_bandwidth()
+    kw = dict(schedule=schedule, runs=runs, reduce=reduce)
+    t1 = measure_step(model, data=1, pipe=1, M=1, batch=batch, boundaries=[], **kw)
+    tn = measure_step(model, data=n, pipe=1, M=1, batch=batch, boundaries=[], **kw)
+    slots = float(np.clip(n * t1 / tn, 1.0, min(n, os.cpu_count() or n)))
+    log(f"calibration: stream bandwidth {bw / 1e9:.1f} GB/s; DP scaling t(1x1)={t1 * 1e3:.2f} ms, "
+        f"t({n}x1)={tn * 1e3:.2f} ms -> compute_slots C={slots:.2f} (host cores: {os.cpu_count()})")
+    base = measured_device("host_cpu", mem_bandwidth=bw, devices_per_node=n, compute_slots=slots,
+                           description=f"{n} simulated CPU devices on {os.cpu_count()} cores")
+    meas = []
+    for data, pipe, M in configs:
+        b = hybrid.step_time(cal.costs, base, data=data, pipe=pipe, num_microbatches=M,
+                             per_worker_batch=M, schedule=schedule).boundaries
+        meas.append(((data, pipe, M), measure_step(cal, data=data, pipe=pipe, M=M, batch=M,
+                                                   boundaries=b, **kw)))
+
+    def residuals(x):
+        hw = base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1])
+        return [predict(cal, hw, data=d, pipe=p, M=M, batch=M, schedule=schedule).step_time / t - 1
+                for (d, p, M), t in meas]
+
+    fit = least_squares(residuals, [20.0, 16.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
+    hw = base.replace(tick_overhead=fit.x[0] * 1e-6, tick_param_bytes=fit.x[1])
+    info = dict(stream_bandwidth=bw, dp_1x1=t1, dp_nx1=tn, compute_slots=slots,
+                tick_overhead=hw.tick_overhead, tick_param_bytes=hw.tick_param_bytes,
+                rows=[dict(config="x".join(map(str, c)), measured=t) for c, t in meas],
+                residuals=[float(r) for r in residuals(fit.x)])
+    log(f"calibration: engine tick_overhead={hw.tick_overhead * 1e6:.1f} us/device/tick, "
+        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick "
+        f"(fit to {', '.join(r['config'] for r in info['rows'])} of the width-{cal.width} "
+        f"model, microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
+    return hw, info
+
+
+def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str = "1f1b",
+             runs: int = 7, reduce: str = "median") -> list[dict]:
+    """Predicted vs measured step for each (data, pipe, M)."""
+    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0)
+    rows = []
+    for data, pipe, M in configs:
+        est = predict(model, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=schedule)
+        bare = predict(model, compute_only, data=data, pipe=pipe, M=M, batch=batch,
+                       schedule=schedule)
+        t = measure_step(model, data=data, pipe=pipe, M=M, batch=batch, boundaries=est.boundaries,
+                         schedule=schedule, runs=runs, reduce=reduce)
+        rows.append(dict(config=f"{data}x{pipe}x{M}", data=data, pipe=pipe, M=M,
+                         boundaries=est.boundaries, bubble=est.bubble_fraction,
+                         predicted=est.step_time, compute=est.compute_time,
+                         engine=est.engine_time, allreduce=est.allreduce_time,
+                         compute_only=bare.step_time, measured=t,
+                         rel_error=est.step_time / t - 1.0))
+    return rows
+
+
+def rank_correlation(a, b) -> float:
+    """Spearman's rho (no ties expected in timings)."""
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(rows) -> dict:
+    err = np.array([r["rel_error"] for r in rows])
+    bare = np.array([r["compute_only"] / r["measured"] - 1 for r in rows])
+    return dict(mean_abs_rel_error=float(np.abs(err).mean()),
+                max_abs_rel_error=float(np.abs(err).max()),
+                compute_only_mean_abs_rel_error=float(np.abs(bare).mean()),
+                rank_correlation=rank_correlation([r["predicted"] for r in rows],
+                                                  [r["measured"] for r in rows]))
+
+
+def print_rows(rows) -> None:
+    print(f"{'data x pipe x M':>15} {'bubble':>7} {'compute':>8} {'engine':>8} {'allred':>7} "
+          f"{'predicted':>9} {'measured':>9} {'error':>7} | {'no-engine':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r['config']:>15} {r['bubble']:>7.3f} {r['compute'] * 1e3:>8.2f} "
+              f"{r['engine'] * 1e3:>8.2f} {r['allreduce'] * 1e3:>7.2f} "
+              f"{r['predicted'] * 1e3:>9.2f} {r['measured'] * 1e3:>9.2f} {r['rel_error']:>+7.0%} | "
+              f"{r['compute_only'] * 1e3:>9.2f} {r['compute_only'] / r['measured'] - 1:>+7.0%}")
+
+
+def main(argv) -> None:
+    del argv
+    import json
+    n = jax.device_count()
+    if n < 8:
+        raise SystemExit(f"bench projection: needs 8 devices, found {n}; on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=8.")
+    configs = parse_configs(FLAGS.val_configs)
+    for d, p, M in configs:
+        if d * p > n or FLAGS.val_batch % M or p > FLAGS.val_blocks + 1:
+            raise SystemExit(f"bench projection: config {d}x{p}x{M} needs data*pipe <= {n}, M "
+                             f"dividing --val_batch={FLAGS.val_batch}, pipe <= layers.")
+    t0 = time.perf_counter()
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    print(f"host: {n} x {jax.devices()[0].platform} devices, {os.cpu_count()} cores, load "
+          f"average {load[0]:.2f} (timings are noisy when other processes use the cores)")
+    model = Model(FLAGS.val_width, FLAGS.val_blocks)
+    cal = Model(FLAGS.cal_width, FLAGS.val_blocks)
+    hw, info = calibrate(model, cal, configs=parse_configs(FLAGS.cal_configs),
+                         batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
+                         reduce=FLAGS.reduce)
+    print(f"\nvalidation model: {FLAGS.val_blocks} residual Dense({FLAGS.val_width}) blocks + "
+          f"head, per-worker batch {FLAGS.val_batch}, schedule {FLAGS.schedule}; times in ms "
+          f"(held out: none of these configs was used above)")
+    rows = validate(model, hw, configs, batch=FLAGS.val_batch, schedule=FLAGS.schedule,
+                    runs=FLAGS.runs, reduce=FLAGS.reduce)
+    print_rows(rows)
+    s = summary(rows)
+    print(f"mean |error| {s['mean_abs_rel_error']:.1%} (max {s['max_abs_rel_error']:.1%}); "
+          f"without the engine terms {s['compute_only_mean_abs_rel_error']:.1%}; rank "
+          f"correlation predicted vs measured {s['rank_correlation']:.2f}; "
+          f"bench took {time.perf_counter() - t0:.0f} s")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(dict(calibration=info, rows=rows, summary=s, load_average=load[0]), f,
+                      indent=1)
