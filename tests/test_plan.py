@@ -245,3 +245,24 @@ def test_input_errors():
     with pytest.raises(ValueError, match="needs 2 entries"):
         Plan(**{**json.loads(make_plan(costs, num_stages=2, num_microbatches=2).to_json()),
                 "stage_memory": [1.0]})
+
+
+def test_plan_from_config_reads_boundaries_remat_and_overrides():
+    import ml_collections
+
+    from jaxhybrid.plan import plan_from_config
+    cfg = ml_collections.ConfigDict(dict(
+        model=dict(name="gpt", size="tiny", overrides={}), mesh=dict(data=1, pipe=2),
+        pipeline=dict(schedule="gpipe", num_microbatches=2, remat="none", memory_budget="1KB",
+                      boundaries=(3,)),
+        train=dict(batch_size=4)))
+    # remat="none": the config's budget is not applied (as Pipeline does); the cuts are kept.
+    p, costs = plan_from_config(cfg)
+    assert p.boundaries == [3] and p.schedule == "gpipe" and not any(p.remat)
+    assert p.microbatch_size == 2 and len(costs) == p.num_layers
+    cfg.model.overrides = {"no_such_option": 1}
+    with pytest.raises(ValueError, match="no_such_option"):
+        plan_from_config(cfg)
+    cfg.model.overrides, cfg.train.batch_size = {}, 3
+    with pytest.raises(ValueError, match="not divisible"):
+        plan_from_config(cfg)

@@ -6,19 +6,21 @@
 Prints (never asserts):
   partition  Inception-V3 at 4 and 8 stages, from the full-size analytic costs
              (`plan.reference_costs`, layer times on a V100 roofline) and from costs
-             profiled on this host (size --small_size): the slowest stage of the planner's
-             split vs the best of all C(L-1, S-1) splits (brute force) vs the
-             equal-layer-count split.
-  mapping    2 nodes x 4 devices whose inter-node link is 25x slower than intra-node:
-             boundary transfer, all-reduce and bottleneck time of a topology-oblivious
-             split on devices in order, the topology-aware split on devices in order, and
-             the planner's split + device mapping (data=1 x pipe=8, data=2 x pipe=4).
-  remat      a budget of half the no-recompute device memory: peak memory and
-             recomputed FLOPs for remat none / full / all layers / auto, predicted by the
-             planner (SPMD model) and measured on the compiled pipeline step
-             (`memory_analysis()`, `cost_analysis()`; see docs/planner.md for how the two
-             are made comparable).
-  speed      planning time of 1,000 random layers into 64 stages (median of --repeats).
+             profiled on this host (size --size, microbatch --microbatch): the slowest
+             stage of the planner's split vs the best of all C(L-1, S-1) splits (brute
+             force) vs the equal-layer-count split.
+  mapping    2 nodes x 4 devices whose inter-node link is 25x slower than intra-node, for
+             data x pipe = 1x8, 2x4, 2x3, 4x2: boundary transfer, all-reduce and bottleneck
+             of the topology-oblivious split on devices in order (naive), of the same split
+             with the planner's device mapping, of the topology-aware split in order, and
+             of the full planner; a note per layout says why the mapping does or does not
+             matter there.
+  remat      a budget of half the predicted no-recompute device memory (microbatch
+             --remat_microbatch): peak memory and recomputed FLOPs for remat none / full /
+             auto, predicted by the planner (SPMD model) and measured on compiled programs
+             (`memory_analysis()` of the real pipeline step; `cost_analysis()` of each
+             stage's backward with the same jax.checkpoint choices).
+  speed      planning time of 1,000 random layers into 64 stages (best of --repeats).
 """
 from __future__ import annotations
 
@@ -45,17 +47,17 @@ from jaxhybrid.schedules import make_schedule
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sections", "partition,mapping,remat,speed", "which figures to print.")
 flags.DEFINE_bool("measure", False, "time layers when profiling (default: roofline estimate).")
-flags.DEFINE_string("small_size", "small", "Inception size profiled for the partition figures.")
-flags.DEFINE_integer("small_microbatch", 8, "microbatch of the profiled partition costs.")
+flags.DEFINE_string("size", "small", "Inception size profiled (partition) and compiled (remat).")
+flags.DEFINE_integer("microbatch", 8, "microbatch of the profiled costs and the remat step.")
 flags.DEFINE_integer("ref_microbatch", 8, "microbatch of the full-size analytic costs.")
 flags.DEFINE_string("hardware", "v100_dgx1", "roofline for the analytic costs' layer times.")
 flags.DEFINE_string("topology", "2x4:intra=300GB/s,inter=12GB/s", "mapping section topology.")
-flags.DEFINE_string("remat_size", "tiny", "Inception size compiled for the remat figures.")
-flags.DEFINE_integer("remat_microbatch", 2, "microbatch of the remat figures.")
-flags.DEFINE_list("remat_modes", "none,full,layers,auto", "remat settings compiled.")
+flags.DEFINE_integer("remat_microbatch", 16, "microbatch of the remat figures (profiled costs "
+                     "scaled linearly): large enough that activations, not parameters, dominate.")
+flags.DEFINE_list("remat_modes", "none,full,auto", "remat settings compiled (also: layers).")
 flags.DEFINE_integer("speed_layers", 1000, "layers of the planning-speed instance.")
 flags.DEFINE_integer("speed_stages", 64, "stages of the planning-speed instance.")
-flags.DEFINE_integer("repeats", 5, "runs per speed figure (median).")
+flags.DEFINE_integer("repeats", 3, "runs of the speed figure (best and median).")
 
 M = 8   # microbatches per step everywhere
 
@@ -133,21 +135,45 @@ def print_partition(rows) -> None:
 
 
 # --- topology-aware mapping ---------------------------------------------------------
-def mapping_rows(costs, topology: str, layouts=((1, 8), (2, 4))) -> list[dict]:
+MAPPING_LAYOUTS = ((1, 8), (2, 4), (2, 3), (4, 2))
+MAPPING_NOTES = {
+    (1, 8): "8 stages on 2 nodes: any node-contiguous mapping crosses the slow link exactly "
+            "once and in order is already one; what helps is moving the cut (topology split).",
+    (2, 4): "each replica fills one node in order, so only the stage all-reduces cross nodes; "
+            "putting each stage's replicas on one node would make a pipeline cut cross in both "
+            "replicas instead, which costs more per microbatch here (exhaustive search): in "
+            "order stays.",
+    (2, 3): "6 of 8 devices: in order, replica 1 sits on devices 3,4,5 and its pipeline "
+            "crosses nodes; the mapping keeps each replica inside one node.",
+    (4, 2): "either the pipeline cut or the stage all-reduces must cross nodes; the mapping "
+            "picks the cheaper one for the split it is given. The planner's own split is best "
+            "per microbatch (its objective amortises the all-reduce over M); the predicted step, "
+            "which pays the all-reduce once after the drain, prefers the mapped one.",
+}
+
+
+def mapping_rows(costs, topology: str, layouts=MAPPING_LAYOUTS) -> list[dict]:
+    """Per layout: the topology-oblivious split on devices in order (naive), the same split
+    with the planner's device mapping, the topology-aware split in order, and the full
+    planner (split and mapping alternated)."""
     t = planner.layer_times(costs)
+    topo = planner.Topology.from_spec(topology)
     rows = []
     for data, S in layouts:
-        k = data * S
-        naive_cuts = planner.partition(t, S)
-        in_order = list(range(k))
-        variants = [
-            ("oblivious split, in order", dict(boundaries=naive_cuts, device_order=in_order)),
-            ("topology split, in order", dict(device_order=in_order)),
-            ("planner split + mapping", {}),
-        ]
+        oblivious = planner.partition(t, S)
+        e = [0, *oblivious, len(costs)]
+        mapped = planner.map_devices(
+            [costs[b - 1].out_bytes for b in oblivious], topo, data,
+            stage_times=planner.stage_costs(t, oblivious).compute, num_microbatches=M,
+            stage_param_bytes=[sum(c.param_bytes for c in costs[e[s]:e[s + 1]]) for s in range(S)])
+        in_order = list(range(data * S))
+        variants = [("oblivious split, in order", dict(boundaries=oblivious, device_order=in_order)),
+                    ("oblivious split, mapped", dict(boundaries=oblivious, device_order=mapped)),
+                    ("topology split, in order", dict(device_order=in_order)),
+                    ("planner split + mapping", {})]
         for label, kw in variants:
             p = planner.make_plan(costs, num_stages=S, num_microbatches=M, data=data,
-                                  topology=topology, **kw)
+                                  topology=topo, **kw)
             rows.append(dict(data=data, S=S, variant=label, plan=p,
                              transfer=float(sum(p.stage_transfer_time)),
                              worst_transfer=float(max(p.stage_transfer_time)),
@@ -157,6 +183,9 @@ def mapping_rows(costs, topology: str, layouts=((1, 8), (2, 4))) -> list[dict]:
 
 
 def print_mapping(rows) -> None:
+    print("Times per microbatch except all-reduce (per step); xfer = activation + gradient over "
+          "each cut's slowest link, summed over cuts; bottleneck = slowest stage incl. xfer and "
+          "all-reduce / M; step = predicted 1F1B step.")
     print(f"{'data x pipe':>11} {'variant':<27} {'xfer sum ms':>11} {'xfer max ms':>11} "
           f"{'allred ms':>9} {'bottleneck':>10} {'step ms':>8}  boundaries / device order")
     for r in rows:
@@ -165,8 +194,209 @@ def print_mapping(rows) -> None:
               f"{1e3 * r['worst_transfer']:>11.3f} {1e3 * r['allreduce']:>9.3f} "
               f"{1e3 * r['bottleneck']:>10.3f} {1e3 * r['step']:>8.2f}  {p.boundaries} / "
               f"{p.device_order}")
-    for key in sorted({(r["data"], r["S"]) for r in rows}):
-        a, b = [r for r in rows if (r["data"], r["S"]) == key][0::2]
-        print(f"data={key[0]} pipe={key[1]}: planner vs oblivious in-order: transfer "
-              f"{a['transfer'] / max(b['transfer'], 1e-30):.2f}x less, bottleneck "
-              f"{a['bottleneck'] / b['bottleneck']:.2f}x faster, step {a['step'] / b['step']:.2f}x")
+    for key in dict.fromkeys((r["data"], r["S"]) for r in rows):
+        naive, mapped, _, full = [r for r in rows if (r["data"], r["S"]) == key]
+        print(f"data={key[0]} x pipe={key[1]}: same split, mapped vs in order: transfer "
+              f"{1e3 * mapped['transfer']:.3f} vs {1e3 * naive['transfer']:.3f} ms, all-reduce "
+              f"{1e3 * mapped['allreduce']:.3f} vs {1e3 * naive['allreduce']:.3f} ms, bottleneck "
+              f"{naive['bottleneck'] / mapped['bottleneck']:.2f}x; planner vs naive: bottleneck "
+              f"{naive['bottleneck'] / full['bottleneck']:.2f}x, step {naive['step'] / full['step']:.2f}x")
+        if key in MAPPING_NOTES:
+            print(f"    ({MAPPING_NOTES[key]})")
+
+
+# --- cost-balanced recomputation ----------------------------------------------------
+# The compiled value_and_grad step (no optimizer) holds params, the gradient accumulator
+# and the output gradients; the model adds the per-microbatch stage gradient itself.
+PARAM_STATE = 3
+
+
+def _abstract_vars(layers, x):
+    """Per-layer variables as zeros of the right shapes (compiling needs no real values)."""
+    import functools
+
+    import jax
+
+    from jaxhybrid.layers import init_layer
+    out = []
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+    for i, layer in enumerate(layers):
+        v, x = jax.eval_shape(functools.partial(init_layer, layer, train=False),
+                              jax.random.key(i), x)
+        out.append(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), v))
+    return out
+
+
+def _compiled_peak(spec, per_layer, batch, cuts, remat, S: int) -> float:
+    """Peak bytes per device of the compiled pipeline value_and_grad step."""
+    import jax
+
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    mesh = jh.make_mesh(data=1, pipe=S)
+    p = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M, schedule="1f1b",
+                    boundaries=cuts, remat=remat)
+    variables = p.pack(per_layer)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x, y = jax.device_put(batch, sharding)
+    mem = p.value_and_grad(spec.loss_fn).lower(variables, x, y, jax.random.key(1)).compile() \
+        .memory_analysis()
+    return float(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                 - mem.alias_size_in_bytes)
+
+
+def _backward_flops(spec, per_layer, x, y, cuts, flags, stage_level: bool) -> float:
+    """XLA FLOPs of the stages' compiled backward passes on one microbatch, summed over
+    stages: each stage's vjp (w.r.t. its params and input, loss on the last stage) is
+    taken under jit, and the function applying it to a cotangent is compiled on its own
+    with the residuals as inputs, as the pipeline's backward slot runs it. jax.checkpoint
+    wraps each flagged layer (or the whole stage when stage_level), so the difference to
+    no checkpointing is the recomputed forward work. (The pipelined step itself cannot
+    give this figure: XLA's cost analysis counts a while-loop body once.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxhybrid.layers import apply_layer, layer_rng
+    e = [0, *cuts, len(spec.layers)]
+
+    def layer_fn(i):
+        def f(p, h):
+            return apply_layer(spec.layers[i], {**per_layer[i], "params": p}, h, train=True,
+                               rng=layer_rng(jax.random.key(1), 0, i))[0]
+        return jax.checkpoint(f) if flags[i] and not stage_level else f
+
+    total, h = 0.0, x
+    for s in range(len(e) - 1):
+        a, b = e[s], e[s + 1]
+
+        def stage(ps, hh, a=a, b=b, last=s == len(e) - 2):
+            for i in range(a, b):
+                hh = layer_fn(i)(ps[i - a], hh)
+            return spec.loss_fn(hh, y) if last else hh
+
+        fn = jax.checkpoint(stage) if stage_level else stage
+        params = [per_layer[i].get("params", {}) for i in range(a, b)]
+        out, vjp_fn = jax.jit(lambda ps, hh, fn=fn: jax.vjp(fn, ps, hh))(params, h)
+        ct = jax.tree.map(jnp.ones_like, out)
+        cost = jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        total += float(cost.get("flops", 0.0))
+        h = out
+    return total
+
+
+def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
+    """Planner prediction and compiled measurement of each remat mode at a budget of half
+    the predicted no-recompute device memory. Returns (rows, budget)."""
+    import jax
+    mb = costs[0].batch_size
+    x, y = spec.sample_batch(M * mb)
+    L, sched = len(costs), make_schedule("1f1b", S, M)
+    cuts = planner.partition(planner.layer_times(costs), S)
+    mem = lambda r: planner.spmd_memory(costs, cuts, sched, r, param_state_factor=PARAM_STATE)  # noqa: E731
+    budget = mem(None)[1] / 2
+    per_layer = _abstract_vars(spec.layers, jax.tree.map(lambda a: a[:1], x))
+    x1, y1 = jax.tree.map(lambda a: a[:mb], (x, y))
+    base_flops = None
+    rows = []
+    for mode in modes:
+        if mode == "auto":
+            try:
+                flags_ = planner.choose_remat_spmd(costs, cuts, sched, budget,
+                                                   param_state_factor=PARAM_STATE)
+            except planner.MemoryBudgetError as e:
+                rows.append(dict(mode=mode, error=str(e)))
+                continue
+            remat = flags_
+        elif mode in ("full", "layers"):
+            flags_, remat = [True] * L, ("full" if mode == "full" else [True] * L)
+        else:
+            flags_, remat = [False] * L, "none"
+        peak = _compiled_peak(spec, per_layer, (x, y), cuts, remat, S)
+        flops = _backward_flops(spec, per_layer, x1, y1, cuts, flags_, mode == "full")
+        base_flops = flops if mode == "none" else base_flops
+        slow = planner.layer_times(costs) + np.array([c.fwd_time if r else 0.0
+                                                      for c, r in zip(costs, flags_)])
+        rows.append(dict(mode=mode, predicted=mem(flags_)[1], measured=peak, flops=flops,
+                         predicted_recompute=M * sum(c.fwd_flops for c, r in zip(costs, flags_) if r),
+                         layers=int(sum(flags_)), slowest=planner.stage_costs(slow, cuts).bottleneck))
+    for r in rows:
+        if "flops" in r and base_flops is not None:
+            r["recompute"] = M * (r["flops"] - base_flops)
+    return rows, budget
+
+
+def print_remat(rows, budget: float, size: str, microbatch: int, S: int = 4) -> None:
+    print(f"Inception-V3 ({size}), {S} stages x M={M}, microbatch {microbatch}, 1F1B, data=1; "
+          f"budget = half the predicted no-remat device memory = {fmt_bytes(budget)} (the step "
+          f"has no optimizer: params, gradient accumulator, microbatch gradient, output "
+          f"gradients, stash, inboxes, inputs)")
+    print("predicted: the planner's SPMD memory model; compiled: memory_analysis() of the real "
+          "pipeline value_and_grad step on the simulated devices (args + outputs + temps - "
+          "aliased). Recomputed GFLOP per step: the planner (M x forward FLOPs of recomputed "
+          "layers) / M x (XLA FLOPs of the stages' compiled backward passes with the same "
+          "jax.checkpoint choices - without).")
+    print(f"{'remat':<7} {'layers':>6} {'predicted':>10} {'compiled':>10} {'fits pred/comp':>14} "
+          f"{'recomputed GFLOP pred / compiled':>33} {'slowest stage ms':>16}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<7} {r['error']}")
+            continue
+        fits = f"{'yes' if r['predicted'] <= budget else 'no'}/{'yes' if r['measured'] <= budget else 'no'}"
+        print(f"{r['mode']:<7} {r['layers']:>6} {fmt_bytes(r['predicted']):>10} "
+              f"{fmt_bytes(r['measured']):>10} {fits:>14} "
+              f"{r['predicted_recompute'] / 1e9:>16.3f} / {r.get('recompute', 0.0) / 1e9:<14.3f} "
+              f"{1e3 * r['slowest']:>16.3f}")
+    print("(full = the pipeline recomputes each stage from its input; its prediction uses the "
+          "per-layer model with every layer recomputed.)")
+
+
+# --- planning speed -----------------------------------------------------------------
+def speed(L: int, S: int, repeats: int) -> tuple[float, float]:
+    """(median, best) seconds of planner.partition on L random layer times into S stages."""
+    t = np.random.default_rng(0).lognormal(0.0, 1.0, L)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        planner.partition(t, S)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs), min(runs)
+
+
+def main(argv) -> None:
+    del argv
+    sections = set(FLAGS.sections)
+    unknown = sections - {"partition", "mapping", "remat", "speed"}
+    if unknown:
+        raise SystemExit(f"bench plan: unknown sections {sorted(unknown)}; choose from "
+                         f"partition, mapping, remat, speed.")
+    print("Timings are wall-clock on this host, shared with other work: upper bounds.")
+    if "partition" in sections or "mapping" in sections:
+        ref = reference_inception(FLAGS.ref_microbatch, FLAGS.hardware)
+    if "partition" in sections or "remat" in sections:
+        t0 = time.perf_counter()
+        spec, small = profiled_inception(FLAGS.size, FLAGS.microbatch, FLAGS.measure)
+        print(f"profiled Inception-V3 ({FLAGS.size}, {len(small)} layers, microbatch "
+              f"{FLAGS.microbatch}) in {time.perf_counter() - t0:.1f} s")
+    if "partition" in sections:
+        print("\n== partition: slowest stage (fwd + bwd per microbatch) ==")
+        rows = partition_rows(f"full analytic ({FLAGS.hardware})", ref)
+        rows += partition_rows(f"{FLAGS.size} profiled (this host)", small)
+        print_partition(rows)
+    if "mapping" in sections:
+        print(f"\n== mapping on {FLAGS.topology} (inter-node link 25x slower; full-size "
+              f"analytic costs, microbatch {FLAGS.ref_microbatch}, M={M}) ==")
+        print_mapping(mapping_rows(ref, FLAGS.topology))
+    if "remat" in sections:
+        print("\n== recomputation at half the no-remat memory ==")
+        costs = [c.scaled(FLAGS.remat_microbatch) for c in small]
+        rows, budget = remat_rows(spec, costs, FLAGS.remat_modes)
+        print_remat(rows, budget, FLAGS.size, FLAGS.remat_microbatch)
+    if "speed" in sections:
+        med, best = speed(FLAGS.speed_layers, FLAGS.speed_stages, FLAGS.repeats)
+        print(f"\n== speed: partition of {FLAGS.speed_layers} layers into {FLAGS.speed_stages} "
+              f"stages: best {best:.3f} s (median {med:.3f} s) of {FLAGS.repeats} runs ==")
+
+
+if __name__ == "__main__":
+    app.run(main)

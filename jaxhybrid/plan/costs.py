@@ -17,6 +17,8 @@ Memory kept for backward, per microbatch:
                      stage stashes per in-flight microbatch without recomputation;
   saved_bytes_remat  the layer's input bytes: all `jax.checkpoint` keeps, the rest is
                      recomputed by an extra forward in the backward pass.
+Both equal the output bytes that XLA's `memory_analysis()` reports for a compiled function
+returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py checks it).
 
 Times: measured (median of `repeats` runs after a warm-up, `block_until_ready`) when
 `measure=True`; otherwise a roofline estimate on the local device,

@@ -162,18 +162,21 @@ class Plan:
         ax.set_xlabel("ms (forward blue, backward orange)")
         ax.set_title(f"{self.schedule} S={S} M={self.num_microbatches}: step "
                      f"{1e3 * self.predicted_step_time:.3g} ms, bubble {self.bubble_fraction:.2f}")
-        mem = np.array(self.stage_memory) / 1e9
-        axm.barh(range(S), mem, color=["tab:red" if self.memory_budget and m * 1e9 > self.memory_budget
-                                       else "tab:green" for m in mem])
+        top = max([*self.stage_memory, self.memory_budget or 0, self.device_memory or 0])
+        unit, scale = next(((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+                            if top >= f), ("B", 1.0))
+        mem = np.array(self.stage_memory) / scale
+        axm.barh(range(S), mem, color=["tab:red" if self.memory_budget and m > self.memory_budget
+                                       else "tab:green" for m in self.stage_memory])
         if self.device_memory is not None:
-            axm.axvline(self.device_memory / 1e9, color="tab:purple", label="device (spmd)")
+            axm.axvline(self.device_memory / scale, color="tab:purple", label="device (spmd)")
         if self.memory_budget:
-            axm.axvline(self.memory_budget / 1e9, color="k", linestyle="--", label="budget")
+            axm.axvline(self.memory_budget / scale, color="k", linestyle="--", label="budget")
         if self.memory_budget or self.device_memory is not None:
             axm.legend(loc="lower right", fontsize=7)
         axm.set_yticks(range(S), [f"{sum(self.remat[a:b])} remat" for a, b in self.stage_ranges])
         axm.invert_yaxis()
-        axm.set_xlabel("memory per device (GB)")
+        axm.set_xlabel(f"memory per device ({unit})")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -280,9 +283,10 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
                      stages: int | None = None, measure: bool = False, objective: str | None = None):
     """Profiles the config's model on one microbatch and plans it: the library side of
-    scripts/plan.py. Reads config.model.{name,size}, config.pipeline.{schedule,
-    num_microbatches,memory_budget}, config.mesh.{data,pipe}, config.train.batch_size.
-    Returns (plan, costs)."""
+    scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe},
+    config.pipeline.{schedule,num_microbatches,remat,memory_budget,boundaries},
+    config.train.batch_size. `memory_budget` (argument) overrides the config's, which is
+    used only with pipeline.remat="auto" (as `Pipeline` does). Returns (plan, costs)."""
     from jaxhybrid.models import get_model   # plan/ may use models, never pipeline/
     from jaxhybrid.plan.costs import profile
 
@@ -296,8 +300,13 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     name = get("model", "name")
     if not name:
         raise ValueError("plan_from_config: config.model.name is missing; set it or pass --model.")
-    spec = get_model(name, size=get("model", "size", "tiny"))
+    overrides = get("model", "overrides", {})
+    overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else overrides)
+    spec = get_model(name, size=get("model", "size", "tiny"), **overrides)
     data, S = int(get("mesh", "data", 1)), int(stages or get("mesh", "pipe", 1))
+    if data < 1 or S < 1:
+        raise ValueError(f"plan_from_config: mesh data={data} x pipe={S} must both be >= 1 "
+                         f"(planning needs explicit sizes, not -1).")
     M = int(get("pipeline", "num_microbatches", 1))
     batch = int(get("train", "batch_size", M * data))
     if batch % (data * M):
@@ -305,8 +314,13 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
                          f"x num_microbatches={M}; pick a batch size that is.")
     inputs, _ = spec.sample_batch(batch // (data * M))
     costs = profile(spec.layers, inputs, measure=measure)
-    budget = memory_budget if memory_budget is not None else get("pipeline", "memory_budget")
+    remat = get("pipeline", "remat", "auto")
+    budget = memory_budget
+    if budget is None and remat == "auto":
+        budget = get("pipeline", "memory_budget")
+    cuts = get("pipeline", "boundaries")
     plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=get("pipeline", "schedule", "1f1b"),
                      data=data, topology=topology, memory_budget=budget,
-                     objective=objective or get("pipeline", "objective", "bottleneck"))
+                     objective=objective or get("pipeline", "objective", "bottleneck"),
+                     boundaries=None if cuts is None else [int(b) for b in cuts])
     return plan, costs

@@ -28,17 +28,24 @@ jaxhybrid runtime is one SPMD program: every device allocates buffers sized for 
 inboxes as ring buffers with the schedule's slot counts). Per device:
 
     param_state_factor * max_s sum(param_bytes) + max_s sum(state_bytes)
-  + (stash_slots + 1) * max_s kept_s           stash ring (+1 dummy row for idle slots)
-  + max_s (kept_s + transient_s)               one microbatch's residuals being produced
-                                               (forward) / re-materialised (backward)
+  + max_s sum(param_bytes)                     the stage gradient of the microbatch in its
+                                               backward slot, before it joins the
+                                               accumulator (counted in the factor)
+  + (stash_slots + 2) * max_s kept_s           stash ring (+1 dummy row for idle slots),
+                                               and the row the tick's forward slot returns
+                                               (a conditional's result, copied into the ring)
+  + max_s (kept_s + transient_s + grads_s)     the row read back for the tick's backward
+                                               slot, what it re-materialises, and the
+                                               activation gradients it holds (grads_s =
+                                               max over the stage's layers of in + out bytes)
   + (act_slots + 1 + grad_slots + 1) * max boundary bytes   activation/gradient inboxes
   + num_microbatches * in_bytes[0]             this replica's inputs (on every device)
 
 So a stage with little to stash gains nothing from the schedule's low in-flight count
 on it: every stage's kept residuals must fit the same padded stash row. Stages are still
 independent once that row is fixed: for a row size C (searched over the kept sizes the
-stages can reach), every stage must keep <= C and have kept + transient <= budget - fixed
-- (stash_slots + 1) * C, and each takes its cheapest choice that does; the best C gives
+stages can reach), every stage must keep <= C and have kept + transient + grads <= budget
+- fixed - (stash_slots + 2) * C, and each takes its cheapest choice that does; the best C gives
 the fastest slowest stage (exact against brute force, tests/test_plan.py).
 """
 from __future__ import annotations
@@ -170,15 +177,21 @@ def recompute_time(costs: Sequence[LayerCost], boundaries: Sequence[int],
 
 # --- SPMD runtime model ----------------------------------------------------------------
 def _spmd_terms(costs, ranges, schedule, param_state_factor):
-    """(fixed bytes, stash rows, kept-per-microbatch multiplier k) of the SPMD model."""
+    """(fixed bytes, rows of the largest kept residuals) of the SPMD model."""
     L = len(costs)
     params = max(sum(c.param_bytes for c in costs[a:b]) for a, b in ranges)
     state = max(sum(c.state_bytes for c in costs[a:b]) for a, b in ranges)
     act = max([costs[b - 1].out_bytes for a, b in ranges if b < L], default=0)
     inbox_rows = schedule.slots("act") + 1 + schedule.slots("grad") + 1
-    fixed = (param_state_factor * params + state + inbox_rows * act
+    fixed = ((param_state_factor + 1) * params + state + inbox_rows * act
              + schedule.num_microbatches * costs[0].in_bytes)
-    return float(fixed), schedule.slots("stash") + 1
+    return float(fixed), schedule.slots("stash") + 2
+
+
+def _act_grads(costs, a, b) -> float:
+    """Activation gradients live in a stage's backward: a layer's output cotangent and
+    the input cotangent it produces (the largest such pair of the stage)."""
+    return float(max(c.in_bytes + c.out_bytes for c in costs[a:b]))
 
 
 def _kept_transient(costs, a, b, r):
@@ -204,8 +217,9 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
         raise ValueError(f"remat needs one bool per layer ({L}), got {len(r)}.")
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
     kt = np.array([_kept_transient(costs, a, b, r) for a, b in ranges])
-    per_stage = fixed + rows * kt[:, 0] + kt[:, 0] + kt[:, 1]
-    device = fixed + rows * kt[:, 0].max() + (kt[:, 0] + kt[:, 1]).max()
+    work = kt[:, 0] + kt[:, 1] + np.array([_act_grads(costs, a, b) for a, b in ranges])
+    per_stage = fixed + rows * kt[:, 0] + work
+    device = fixed + rows * kt[:, 0].max() + work.max()
     return per_stage, float(device)
 
 
@@ -257,7 +271,8 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     (`spmd_memory(...)[1]`) fits `memory_budget` with the slowest stage as fast as
     possible (then the least total recompute). MemoryBudgetError when it cannot fit.
 
-    Device memory = fixed + rows * max_s kept_s + max_s work_s (work = kept + transient).
+    Device memory = fixed + rows * max_s kept_s + max_s work_s (work = kept + transient +
+    activation gradients).
     For a stash-row cap C every stage must have kept_s <= C and work_s <= W = budget -
     fixed - rows * C; given (C, W) the stages are independent and each takes its cheapest
     fitting choice (exact over subsets up to `exact_limit` candidate layers, else the
@@ -288,7 +303,8 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         fwd = np.array([costs[a + i].fwd_time for i in cand], float)
         base = sum(c.fwd_time + c.bwd_time for c in costs[a:b])
         stages.append((a, cand, delta[cand], fwd, saved.sum(), base,
-                       _spmd_options(delta[cand], fwd, saved.sum(), exact_limit)))
+                       _spmd_options(delta[cand], fwd, saved.sum(), exact_limit),
+                       _act_grads(costs, a, b)))
     caps = np.unique(np.concatenate(
         [o[6][1] if o[6] is not None else [o[4], o[4] - o[2].sum()] for o in stages]))
     caps = caps[caps <= (budget - fixed) / rows * (1 + 1e-12)]
@@ -297,12 +313,12 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     best = None
     for cap in caps:
         work_cap = budget - fixed - rows * cap
-        picks = [_spmd_stage_pick(o[6], o[2], o[3], o[4], cap, work_cap) for o in stages]
+        picks = [_spmd_stage_pick(o[6], o[2], o[3], o[4], cap, work_cap - o[7]) for o in stages]
         if any(p is None for p in picks):
             continue
         times = [o[5] + p[1] for o, p in zip(stages, picks)]
         key = (max(times), sum(p[1] for p in picks), rows * max(p[2] for p in picks)
-               + max(p[3] for p in picks))
+               + max(p[3] + o[7] for o, p in zip(stages, picks)))
         if best is None or key < best[0]:
             best = (key, picks)
     if best is None:   # only when max_caps thinned out the one cap that works

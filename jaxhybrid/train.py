@@ -1,0 +1,361 @@
+"""`train_and_evaluate(config, workdir)`: the one training loop.
+
+config (see configs/*.py and docs/training.md) -> model layers -> mesh -> Pipeline
+(planner or explicit boundaries) -> optax on the packed parameters -> a jitted step
+-> metrics (stdout, workdir/metrics.jsonl, TensorBoard) and per-layer checkpoints in
+workdir/checkpoints, resumed automatically, in any mesh layout.
+
+Everything the config decides is checked first (`prepare`): a bad config raises
+`ConfigError` (a ValueError with one line naming the field and the fix) before any
+file in the workdir is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import pathlib
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+import jaxhybrid as jh
+from jaxhybrid import checkpoint, config_flags, data, models
+from jaxhybrid import pipeline as jp
+from jaxhybrid.mesh import DATA
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the fix."""
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or gradient became NaN/Inf; the message names the step."""
+
+
+@dataclasses.dataclass
+class Run:
+    """What `prepare` built from a valid config (nothing is on disk yet).
+    train_batches() -> iterator of (inputs, targets) numpy batches, the same stream on
+    every call; eval_batches() -> iterator of (inputs, targets, mask), mask False on
+    padding rows."""
+    spec: models.ModelSpec
+    mesh: Any
+    pipe: jp.Pipeline
+    train_batches: Callable[[], Iterator]
+    eval_batches: Callable[[], Iterator]
+
+
+# --- validation ---------------------------------------------------------------------
+def _check_fields(config) -> None:
+    expected = set(config_flags.config_keys(config_flags.base_config(), ""))
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config must be an ml_collections.ConfigDict, got "
+                          f"{type(config).__name__}; load it with config_flags.load_config.")
+    have = set(config_flags.config_keys(config, ""))
+    # model.overrides and data.options are free-form dicts (checked by model / dataset).
+    free = ("model.overrides.", "data.options.")
+    missing = sorted(k for k in expected - have if not k.startswith(free))
+    unknown = sorted(k for k in have - expected if not k.startswith(free))
+    if missing or unknown:
+        raise ConfigError(f"config: missing fields {missing} / unknown fields {unknown}; start "
+                          f"from jaxhybrid.config_flags.base_config() or a file in configs/.")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def prepare(config, train_data: Callable[[], Iterable] | None = None,
+            eval_data: Callable[[], Iterable] | None = None) -> Run:
+    """Checks `config` and builds model, mesh, pipeline and datasets (config.data,
+    unless `train_data` / `eval_data` bring their own). Raises ConfigError."""
+    _check_fields(config)
+    t, p = config.train, config.pipeline
+    for name in ("steps", "batch_size", "log_every"):
+        _require(_int(t[name]) and t[name] >= 1, f"train.{name}={t[name]!r} must be an int >= 1.")
+    for name in ("warmup_steps", "eval_every", "eval_steps", "seed"):
+        _require(_int(t[name]) and t[name] >= 0, f"train.{name}={t[name]!r} must be an int >= 0.")
+    _require(t.optimizer in OPTIMIZERS,
+             f"train.optimizer={t.optimizer!r} is unknown; choose one of {OPTIMIZERS}.")
+    _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
+    for name in ("weight_decay", "grad_clip_norm", "momentum"):
+        _require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
+    c = config.checkpoint
+    _require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
+             f">= 0 (0: only at the end).")
+    _require(_int(c.keep) and c.keep >= 1, f"checkpoint.keep={c.keep!r} must be an int >= 1.")
+    pr = config.profile
+    _require(not pr.enabled or (_int(pr.start_step) and pr.start_step >= 1 and _int(pr.num_steps)
+                                and pr.num_steps >= 1),
+             "profile.start_step and profile.num_steps must be ints >= 1.")
+    try:
+        spec = models.get_model(config.model.name, config.model.size,
+                                **config.model.overrides.to_dict())
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    try:
+        mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
+    except ValueError as e:
+        raise ConfigError(f"mesh (config.mesh.data/pipe, {jax.device_count()} "
+                          f"{jax.default_backend()} devices): {e}") from None
+    n_data, m = mesh.shape[DATA], p.num_microbatches
+    _require(_int(m) and m >= 1, f"pipeline.num_microbatches={m!r} must be an int >= 1.")
+    _require(t.batch_size % (n_data * m) == 0,
+             f"train.batch_size={t.batch_size} is not divisible by mesh data x "
+             f"pipeline.num_microbatches = {n_data} x {m} = {n_data * m}; use a multiple of "
+             f"{n_data * m}.")
+    try:
+        pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=m, schedule=p.schedule,
+                           boundaries=None if p.boundaries is None else list(p.boundaries),
+                           remat=p.remat, memory_budget=p.memory_budget)
+    except ValueError as e:
+        raise ConfigError(f"pipeline: {e}") from None
+    try:
+        if train_data is None:
+            train_ds = _dataset(config, spec, "train")
+            _require(train_ds.steps_per_epoch >= 1,
+                     f"train.batch_size={t.batch_size} exceeds the {train_ds.num_examples} "
+                     f"training examples; use a smaller batch.")
+            train_data = train_ds.batches
+        if eval_data is None:
+            eval_data = _dataset(config, spec, "test").eval_batches
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"data: {e}") from None
+    return Run(spec, mesh, pipe, train_data, eval_data)
+
+
+def _dataset(config, spec, split):
+    options = config.data.options.to_dict()
+    kw = dict(batch_size=config.train.batch_size, seed=config.train.seed)
+    if config.data.name is None:
+        return data.for_model(spec, split, **kw, **options)
+    return data.get_dataset(config.data.name, split, **kw, **options)
+
+
+# --- optimizer ----------------------------------------------------------------------
+def learning_rate_schedule(t) -> optax.Schedule:
+    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1), 0.0)
+
+
+def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
+    # optax.masked wants one bool per leaf; a packed buffer mixes kernels and biases,
+    # so the mask is itself a packed buffer (1.0 where a leaf decays).
+    def update(updates, state, params):
+        if mask is None:                  # no mask: decay everything
+            return jax.tree.map(lambda g, p: g + rate * p, updates, params), state
+        return jax.tree.map(lambda g, p, m: g + rate * m * p, updates, params, mask), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
+    """adamw (decoupled weight decay) or sgd + momentum, on the packed params."""
+    parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
+    if t.optimizer == "adamw":
+        parts.append(optax.scale_by_adam())
+    if t.weight_decay > 0:
+        parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
+    if t.optimizer == "sgd" and t.momentum > 0:
+        parts.append(optax.trace(decay=t.momentum))
+    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t)))
+    return optax.chain(*parts)
+
+
+def weight_decay_mask(pipe, variables) -> dict:
+    """Packed 1.0 for kernels/embeddings (ndim >= 2), 0.0 for biases and norm scales."""
+    per_layer = checkpoint.unpack_like_params(pipe, variables["params"])
+    masks = [jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), tree)
+             for tree in per_layer]
+    return checkpoint.pack_like_params(pipe, masks)
+
+
+def make_train_step(run: Run, t):
+    grad_fn = run.pipe.value_and_grad(run.spec.loss_fn)
+
+    def train_step(state, decay_mask, inputs, targets, rng):
+        loss, grads, variables = grad_fn(state["variables"], inputs, targets, rng)
+        params = state["variables"]["params"]
+        updates, opt_state = make_optimizer(t, decay_mask).update(grads, state["opt_state"], params)
+        variables = {**variables, "params": optax.apply_updates(params, updates)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "param_norm": optax.tree.norm(variables["params"])}
+        return {"variables": variables, "opt_state": opt_state}, metrics
+    return jax.jit(train_step, donate_argnums=0)
+
+
+# --- evaluation ---------------------------------------------------------------------
+def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
+    """Metrics over the test split (all of it, or the first `max_batches` batches):
+    padded rows are dropped by the mask, batches weighed by the metrics' "count"."""
+    totals, weight = {}, 0.0
+    batches = run.eval_batches()
+    for inputs, targets, mask in itertools.islice(batches, max_batches or None):
+        outputs = jax.device_get(run.pipe.apply(variables, data.place_batch(inputs, run.mesh)))
+        keep = np.asarray(mask, bool)
+        real = lambda tree: jax.tree.map(lambda a: np.asarray(a)[keep], tree)
+        m = {k: float(v) for k, v in run.spec.metrics_fn(real(outputs), real(targets)).items()}
+        count = m.pop("count", float(keep.sum()))
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + v * count
+        weight += count
+    return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+
+
+# --- metrics output -----------------------------------------------------------------
+class MetricWriter:
+    """One JSON object per logged step in workdir/metrics.jsonl, the same scalars as
+    TensorBoard events in workdir, and a line in the log. On resume, records after the
+    restored step (from the interrupted run) are dropped so every step appears once."""
+
+    def __init__(self, workdir: pathlib.Path, start_step: int):
+        from tensorboardX import SummaryWriter   # imported here: only training needs it
+        self.path = workdir / "metrics.jsonl"
+        kept = []
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        for k, v in record.items():
+            if k != "step":
+                group, _, name = k.partition("_")
+                self.tb.add_scalar(f"{group}/{name}" if name else k, v, step)
+        logging.info("step %d: %s", step, ", ".join(
+            f"{k}={v:.5g}" for k, v in record.items() if k != "step"))
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+# --- the loop -----------------------------------------------------------------------
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
+                       train_data: Callable[[], Iterable] | None = None,
+                       eval_data: Callable[[], Iterable] | None = None) -> dict:
+    """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the
+    final metrics: step, train_loss, eval_* and wall_time_s (of this call).
+
+    train_data / eval_data replace the config's dataset: train_data() must yield the
+    same (inputs, targets) stream on every call (a resumed run skips the batches already
+    trained on), eval_data() yields (inputs, targets, mask) with a fixed batch shape."""
+    started = time.time()
+    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
+    t, pipe = config.train, run.pipe
+    workdir = pathlib.Path(workdir).absolute()
+    _require(not workdir.exists() or workdir.is_dir(),
+             f"workdir {workdir} is a file; pass a directory (it is created if missing).")
+    base_rng = jax.random.key(t.seed)
+    init_rng, train_rng = jax.random.split(base_rng)
+
+    # The first real batch stands in for the planner's sample (exact shapes and dtypes).
+    variables = pipe.init(init_rng, next(iter(run.train_batches()))[0])
+    planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
+    # With explicit boundaries `pipe.plan` would profile every layer just for this log.
+    logging.info("model %s/%s on mesh data=%d x pipe=%d, stage boundaries %s\n%s",
+                 config.model.name, config.model.size, pipe.data, pipe.num_stages,
+                 pipe.boundaries, pipe.plan.summary() if planned else "")
+    decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
+    params = variables["params"]
+    opt_init = make_optimizer(t, decay_mask).init
+    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
+    state = {"variables": variables,
+             "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+
+    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(pipe, state)
+        start = int(meta["step"])
+        train_rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+        logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
+                     meta.get("layout"))
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    writer = MetricWriter(workdir, start)
+    train_step = make_train_step(run, t)
+    schedule = learning_rate_schedule(t)
+    # Batch k of the (seeded, reproducible) stream is the one step k+1 trains on, so a
+    # resumed run skips exactly the batches the saved steps consumed.
+    batches = data.prefetch_to_mesh(itertools.islice(run.train_batches(), start, None),
+                                    run.mesh)
+    rng_data = [int(x) for x in np.asarray(jax.random.key_data(train_rng)).reshape(-1)]
+    final, window, last_saved = {"step": start}, [], ckpt.latest_step()
+    tracing, tick = False, time.time()
+    from tqdm import tqdm
+    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=None)
+    try:
+        for step in range(start + 1, t.steps + 1):
+            if config.profile.enabled and step == config.profile.start_step:
+                jax.profiler.start_trace(str(workdir / "profile"))
+                tracing = True
+            batch = next(batches, None)
+            if batch is None:
+                raise ValueError(f"train: the training data ran out after {step - 1} steps; "
+                                 f"train_data() must yield train.steps={t.steps} batches.")
+            inputs, targets = batch
+            state, m = train_step(state, decay_mask, inputs, targets,
+                                  jax.random.fold_in(train_rng, step))
+            m = {k: float(v) for k, v in m.items()}
+            # The updated parameters count too: a finite loss with an overflowing update
+            # would otherwise be checkpointed before the next step's loss shows it.
+            if not all(map(math.isfinite, m.values())):
+                raise TrainingDiverged(
+                    f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
+                    f"{m['grad_norm']}, param_norm={m['param_norm']}): the run diverged; lower "
+                    f"train.learning_rate (now {t.learning_rate}) or set train.grad_clip_norm; "
+                    f"last checkpoint: step {last_saved} in {ckpt.directory}.")
+            loss = m["loss"]
+            window.append(loss)
+            bar.update(1)
+            if tracing and step == config.profile.start_step + config.profile.num_steps - 1:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                tracing = False
+            last = step == t.steps
+            do_eval = last or (t.eval_every and step % t.eval_every == 0)
+            if do_eval or step % t.log_every == 0:
+                now = time.time()
+                record = {"step": step, "train_loss": float(np.mean(window)),
+                          "learning_rate": float(schedule(step - 1)),
+                          "grad_norm": m["grad_norm"], "param_norm": m["param_norm"],
+                          "steps_per_sec": len(window) / max(now - tick, 1e-9)}
+                if do_eval:
+                    record.update(evaluate(run, state["variables"], t.eval_steps))
+                writer.write(record)
+                bar.set_postfix(loss=f"{record['train_loss']:.4f}")
+                final, window, tick = record, [], time.time()
+            if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
+                ckpt.save(step, pipe, state, {"rng": rng_data, "data_position": step})
+                last_saved = step
+        if start >= t.steps:              # nothing left to train: report the saved state
+            final = {"step": start, **evaluate(run, state["variables"], t.eval_steps)}
+    finally:
+        if tracing:
+            jax.profiler.stop_trace()
+        bar.close()
+        ckpt.close()
+        writer.close()
+    final["wall_time_s"] = time.time() - started
+    logging.info("done: %s", final)
+    return final

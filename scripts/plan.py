@@ -1,0 +1,99 @@
+"""Plans a model's pipeline: stage boundaries, device mapping, recomputation.
+
+    python scripts/plan.py --config=inception_hybrid.py
+    python scripts/plan.py --config=gpt_hybrid.py --topology="2x4:intra=300GB/s,inter=12GB/s" \\
+        --memory_budget=64MB --plot=plan.png --json=plan.json
+    python scripts/plan.py --model=inception_v3 --size=small --stages=8 --microbatches=8 \\
+        --batch_size=64
+
+Profiles the model's layers on one microbatch (XLA cost analysis; --measure times them),
+then prints `Plan.summary()` (per-stage layers, time, memory, remat) and writes the
+Gantt/memory chart (--plot) and the plan as JSON (--json; `Plan.from_json` reads it, and
+`Pipeline(plan=...)` runs it). --config takes a path or a name in configs/; --model etc.
+override or replace it. Topology spec strings: docs/planner.md.
+"""
+import os
+import sys
+
+# Planning profiles layers on the host device; simulated CPU devices make the configs'
+# meshes valid for the checks (a GPU host keeps its GPUs).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "config name in configs/ or a path.")
+flags.DEFINE_string("model", None, "model name (overrides the config's model.name).")
+flags.DEFINE_string("size", None, "model size: tiny | small | full.")
+flags.DEFINE_integer("stages", None, "pipeline stages (default: config mesh.pipe).")
+flags.DEFINE_integer("data", None, "data-parallel replicas (default: config mesh.data).")
+flags.DEFINE_integer("microbatches", None, "microbatches per step.")
+flags.DEFINE_integer("batch_size", None, "global batch size.")
+flags.DEFINE_string("schedule", None, "gpipe | 1f1b.")
+flags.DEFINE_string("topology", None, 'e.g. "2x4:intra=300GB/s,inter=12GB/s".')
+flags.DEFINE_string("memory_budget", None, 'bytes per device, e.g. "16GB".')
+flags.DEFINE_enum("objective", None, ["bottleneck", "alpa"], "stage objective.")
+flags.DEFINE_bool("measure", False, "time each layer instead of the roofline estimate.")
+flags.DEFINE_string("plot", "plan.png", "PNG path for the chart ('' to skip).")
+flags.DEFINE_string("json", None, "write the plan as JSON here.")
+
+
+def build_config():
+    """The config (from --config or defaults) with the command-line overrides applied."""
+    import ml_collections
+    from jaxhybrid import config_flags
+    config = (config_flags.load_config(FLAGS.config) if FLAGS.config
+              else config_flags.base_config())
+    config = ml_collections.ConfigDict(config.to_dict())   # unlocked copy to override
+    for section, key, value in [("model", "name", FLAGS.model), ("model", "size", FLAGS.size),
+                                ("mesh", "pipe", FLAGS.stages), ("mesh", "data", FLAGS.data),
+                                ("pipeline", "num_microbatches", FLAGS.microbatches),
+                                ("pipeline", "schedule", FLAGS.schedule),
+                                ("train", "batch_size", FLAGS.batch_size)]:
+        if value is not None:
+            config[section][key] = value
+    if not config.model.get("name"):
+        raise app.UsageError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
+    # -1 (as in make_mesh): the devices left over, on the topology if given, else this host.
+    data, pipe = config.mesh.get("data") or 1, config.mesh.get("pipe") or 1
+    if -1 in (data, pipe):
+        if data == pipe:
+            raise app.UsageError("mesh.data and mesh.pipe are both -1; set --stages or --data.")
+        if FLAGS.topology:
+            from jaxhybrid.plan import Topology
+            n = Topology.from_spec(FLAGS.topology).n
+        else:
+            import jax
+            n = jax.device_count()
+        data, pipe = (max(1, n // pipe), pipe) if data == -1 else (data, max(1, n // data))
+    config.mesh.data, config.mesh.pipe = data, pipe
+    return config
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from jaxhybrid.plan import plan_from_config
+    try:
+        config = build_config()
+        plan, costs = plan_from_config(config, topology=FLAGS.topology,
+                                       memory_budget=FLAGS.memory_budget,
+                                       measure=FLAGS.measure, objective=FLAGS.objective)
+    except ValueError as e:   # includes MemoryBudgetError: says by how much
+        sys.exit(f"error: {e}")
+    print(f"{config.model.name} ({config.model.size}): {len(costs)} layers, "
+          f"data={config.mesh.data} x pipe={config.mesh.pipe}, "
+          f"M={config.pipeline.num_microbatches}, batch {config.train.batch_size}")
+    print(plan.summary())
+    if FLAGS.plot:
+        plan.plot(FLAGS.plot)
+        print(f"chart: {FLAGS.plot}")
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"plan: {FLAGS.json}")
+
+
+if __name__ == "__main__":
+    app.run(main)

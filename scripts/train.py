@@ -1,0 +1,74 @@
+"""Train a model from a config file.
+
+    python scripts/train.py --config=inception_hybrid.py
+    python scripts/train.py --config=gpt_hybrid.py --workdir=/tmp/gpt \\
+        --config.train.steps=200 --config.mesh.data=4 --config.mesh.pipe=2
+
+--config takes a path or a name in configs/; --config.<field>=value overrides a field.
+--workdir (default /tmp/jaxhybrid/<config name>) receives metrics.jsonl, TensorBoard
+events and checkpoints; running again in the same workdir resumes from its latest
+checkpoint, also on another mesh layout. On a host without GPUs, jax gets 8 simulated
+CPU devices so the data x pipe mesh of the configs fits.
+"""
+import logging as std_logging
+import os
+import shutil
+import sys
+
+
+def _simulate_cpu_devices() -> None:
+    """Before jax starts: 8 host devices when no GPU will be used. Decided without
+    importing jax (that would fix the device count): JAX_PLATFORMS=cpu, or no
+    nvidia-smi on PATH. An XLA_FLAGS that already sets the count is left alone."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    no_gpu = platforms.split(",")[0].strip() == "cpu" or (
+        not platforms and shutil.which("nvidia-smi") is None)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if no_gpu and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+_simulate_cpu_devices()
+
+from absl import app, flags, logging  # noqa: E402  (after the XLA_FLAGS set-up)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxhybrid import config_flags  # noqa: E402
+
+_CONFIG = config_flags.define_config_flag("config", default="inception_hybrid.py")
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: "
+                               "/tmp/jaxhybrid/<config name>)")
+
+
+def _config_arg() -> str:
+    """The --config value as typed (for the default workdir's name)."""
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg.split("=", 1)[0] in ("--config", "-config"):
+            return arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+    return "inception_hybrid.py"
+
+
+def _quiet_orbax(record) -> bool:
+    """Orbax logs every step of every save at INFO; keep its warnings only."""
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(_quiet_orbax)
+    from jaxhybrid import checkpoint, train
+    name = os.path.splitext(os.path.basename(_config_arg().split(":")[0]))[0]
+    workdir = _WORKDIR.value or os.path.join("/tmp/jaxhybrid", name)
+    logging.info("config %s, workdir %s", name, workdir)
+    try:
+        result = train.train_and_evaluate(_CONFIG.value, workdir)
+    except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch) as e:
+        sys.exit(f"error: {e}")
+    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,120 @@
+"""Config files: name resolution, overrides, unknown keys; scripts/train.py end to end."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from jaxhybrid import config_flags
+from jaxhybrid.config_flags import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ["biglstm_hybrid.py", "gnmt_hybrid.py", "gpt_hybrid.py", "inception_hybrid.py"]
+
+
+def test_every_config_has_exactly_the_base_fields():
+    assert set(CONFIGS) <= set(config_flags.available_configs())
+    base = set(config_flags.config_keys(config_flags.base_config(), ""))
+    for name in CONFIGS:
+        keys = set(config_flags.config_keys(load_config(name), ""))
+        free = {k for k in keys if k.startswith(("model.overrides.", "data.options."))}
+        assert keys - free == base, name
+
+
+@pytest.mark.parametrize("spelling", ["inception_hybrid.py", "inception_hybrid",
+                                      str(ROOT / "configs" / "inception_hybrid.py")])
+def test_bare_names_resolve_in_configs_dir(spelling):
+    assert load_config(spelling).model.name == "inception_v3"
+
+
+def test_missing_config_lists_the_available_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"'nope.py'.*available: .*gpt_hybrid.py") as e:
+        load_config("nope.py")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="neither a file"):
+        load_config(str(tmp_path / "missing.py"))   # a path is never looked up in configs/
+
+
+def test_overrides_dotted_and_nested_and_typed():
+    c = load_config("gpt_hybrid.py", {"train.steps": 7, "mesh": {"data": 4, "pipe": 2},
+                                      "train.learning_rate": 1, "pipeline.boundaries": [2]})
+    assert (c.train.steps, c.mesh.data, c.mesh.pipe) == (7, 4, 2)
+    assert c.train.learning_rate == 1.0 and isinstance(c.train.learning_rate, float)
+    assert tuple(c.pipeline.boundaries) == (2,)
+    with pytest.raises(ValueError, match=r"cannot set train.steps='ten'"):
+        load_config("gpt_hybrid.py", {"train.steps": "ten"})
+
+
+def test_unknown_keys_fail_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown key 'train.stepz'; valid keys under "
+                                         r"'train': .*train.steps") as e:
+        load_config("gpt_hybrid.py", {"train.stepz": 1})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError,
+                       match=r"unknown key 'trian.steps'; valid keys: .*mesh.data.*train.steps"):
+        load_config("gpt_hybrid.py", {"trian.steps": 1})
+
+
+def test_configs_are_locked():
+    c = load_config("gpt_hybrid.py")
+    with pytest.raises(AttributeError):
+        c.train.stepz = 3
+
+
+def _parse(argv):
+    values = flags.FlagValues()
+    holder = config_flags.define_config_flag("config", flag_values=values)
+    values(["prog", *argv])
+    return holder.value
+
+
+def test_flag_resolves_names_and_applies_overrides(monkeypatch):
+    argv = ["--config=gnmt_hybrid.py", "--config.train.steps=10", "--config.mesh.pipe=2"]
+    monkeypatch.setattr(sys, "argv", ["prog", *argv])    # ml_collections reads overrides here
+    config = _parse(argv)
+    assert config.model.name == "gnmt" and config.train.steps == 10 and config.mesh.pipe == 2
+
+
+def test_flag_with_missing_config_or_unknown_key_is_a_flag_error(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["prog", "--config=nope.py"])
+    with pytest.raises(flags.IllegalFlagValueError, match="available: "):
+        _parse(["--config=nope.py"])
+    argv = ["--config=gpt_hybrid.py", "--config.train.stepz=3"]
+    monkeypatch.setattr(sys, "argv", ["prog", *argv])
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match=r"unknown key 'train.stepz'; valid keys under 'train': .*train.steps"):
+        _parse(argv)
+
+
+def _script_env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"     # the script must add the 8 devices itself
+    return env
+
+
+def test_script_trains_the_default_config_for_two_steps(tmp_path):
+    """scripts/train.py end to end (also the 2-step smoke run of the Inception config)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=inception_hybrid.py",
+           "--config.train.steps=2", "--config.model.size=tiny", "--config.train.batch_size=16",
+           "--config.train.eval_steps=1", "--config.pipeline.boundaries=(3, 6, 11)",
+           f"--workdir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_script_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step=2" in out.stdout and "eval_accuracy=" in out.stdout
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["step"] == 2 and 0 <= recs[-1]["eval_accuracy"] <= 1
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    assert "orbax" not in out.stderr                         # its INFO chatter is filtered
+
+
+def test_script_reports_a_bad_config_in_one_line(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=gpt_hybrid.py",
+           "--config.mesh.data=16", "--config.mesh.pipe=1", f"--workdir={tmp_path / 'w'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_script_env(), timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("error: mesh")
+    assert "only 8 are available" in out.stderr
+    assert not (tmp_path / "w").exists()

@@ -1,0 +1,230 @@
+"""train_and_evaluate: smoke runs of the configs, pipelined == data-parallel, exact
+resume, restore into other layouts, metrics output, NaN guard, bad configs.
+
+Most tests train GPT "tiny" (4 layers: embedding | block | block | head), which
+compiles in seconds; explicit boundaries skip the planner's profiling. The Inception
+default config is smoke-run through scripts/train.py in test_config_flags.py.
+"""
+import itertools
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxhybrid import checkpoint, data, models, train
+from jaxhybrid.config_flags import load_config
+
+# (data, pipe) -> num_microbatches and boundaries such that every layout splits a
+# batch of 16 into the same 8 microbatches of 2 (dropout keys are per microbatch).
+LAYOUTS = {(2, 4): (4, (1, 2, 3)), (8, 1): (1, ()), (4, 2): (2, (2,)), (1, 1): (8, ())}
+
+
+def gpt_config(data=2, pipe=4, **overrides):
+    m, bounds = LAYOUTS[(data, pipe)]
+    return load_config("gpt_hybrid.py", {
+        "model.size": "tiny", "mesh.data": data, "mesh.pipe": pipe,
+        "pipeline.num_microbatches": m, "pipeline.boundaries": bounds,
+        "train.batch_size": 16, "train.steps": 6, "train.warmup_steps": 2,
+        "train.log_every": 1, "train.eval_every": 0, "train.eval_steps": 2,
+        "data.options.max_bytes": 40_000, "checkpoint.every": 3, **overrides})
+
+
+def records(workdir):
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses(workdir):
+    return {r["step"]: r["train_loss"] for r in records(workdir)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """6 uninterrupted steps on (data=2, pipe=4), checkpoints at 3 and 6."""
+    workdir = tmp_path_factory.mktemp("reference")
+    final = train.train_and_evaluate(gpt_config(), workdir)
+    return workdir, final
+
+
+@pytest.mark.parametrize("name,overrides", [
+    # Explicit boundaries save the planner's profiling; gpt keeps the planner's choice.
+    ("gnmt_hybrid.py", {"train.batch_size": 16, "data.options.num_train": 64,
+                        "data.options.num_test": 32, "pipeline.boundaries": (3, 6, 9)}),
+    ("biglstm_hybrid.py", {"train.batch_size": 16, "data.options.max_bytes": 40_000,
+                           "pipeline.boundaries": (1, 2, 3)}),
+    ("gpt_hybrid.py", {"train.batch_size": 16, "data.options.max_bytes": 40_000}),
+])
+def test_every_config_runs_two_steps_at_tiny_size(tmp_path, name, overrides):
+    config = load_config(name, {"model.size": "tiny", "train.steps": 2, "train.eval_steps": 1,
+                                **overrides})
+    final = train.train_and_evaluate(config, tmp_path)
+    assert final["step"] == 2
+    assert np.isfinite(final["train_loss"]) and np.isfinite(final["eval_loss"])
+    assert final["eval_loss"] > 0
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_pipelined_run_follows_the_data_parallel_run(tmp_path):
+    # Same global batches, same 8 microbatches of 2 (dropout on, same keys per
+    # microbatch); only the placement differs: 8 replicas vs 2 replicas x 4 stages.
+    common = {"train.steps": 20, "checkpoint.every": 0, "train.eval_every": 20}
+    dp = train.train_and_evaluate(gpt_config(8, 1, **common), tmp_path / "dp")
+    pp = train.train_and_evaluate(gpt_config(2, 4, **common), tmp_path / "pp")
+    a, b = losses(tmp_path / "dp"), losses(tmp_path / "pp")
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=0, atol=1e-4)
+    assert a[20] < a[1] - 0.5                                 # and it actually learns
+    assert abs(dp["eval_loss"] - pp["eval_loss"]) < 1e-4
+
+
+class _Preempted(Exception):
+    pass
+
+
+def _interrupt_at(monkeypatch, stop_call):
+    """Make the train step raise on its `stop_call`-th call, like a preemption."""
+    make = train.make_train_step
+
+    def patched(run, t):
+        step, calls = make(run, t), [0]
+
+        def wrapped(*args):
+            calls[0] += 1
+            if calls[0] == stop_call:
+                raise _Preempted()
+            return step(*args)
+        return wrapped
+    monkeypatch.setattr(train, "make_train_step", patched)
+
+
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(reference, tmp_path,
+                                                                   monkeypatch):
+    ref_dir, ref_final = reference
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 5)               # steps 1-4 done and logged, checkpoint at 3
+        with pytest.raises(_Preempted):
+            train.train_and_evaluate(gpt_config(), tmp_path)
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).all_steps() == [3]
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]
+    final = train.train_and_evaluate(gpt_config(), tmp_path)
+    # Step 4 was logged by the interrupted run and again after resuming from 3: once.
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert losses(tmp_path) == losses(ref_dir)                # bit for bit
+    assert final["eval_loss"] == ref_final["eval_loss"]
+
+
+def _restore(config, ckpt_dir, step):
+    """The portable (per-layer) train state of `step`, restored through `config`'s layout."""
+    run = train.prepare(config)
+    variables = run.pipe.init(jax.random.key(0), next(run.train_batches())[0])
+    tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
+    template = {"variables": variables, "opt_state": tx.init(variables["params"])}
+    state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
+    assert meta["step"] == step and meta["layout"] == {"data": 2, "pipe": 4,
+                                                       "boundaries": [1, 2, 3]}
+    return checkpoint.to_portable(run.pipe, state)
+
+
+@pytest.fixture(scope="module")
+def saved_at_3(reference):
+    return _restore(gpt_config(2, 4), reference[0] / "checkpoints", 3)
+
+
+@pytest.mark.parametrize("layout", [(4, 2), (1, 1)])
+def test_checkpoint_restores_into_another_layout_and_continues(reference, saved_at_3,
+                                                                tmp_path, layout):
+    ref_dir, _ = reference
+    saved = saved_at_3
+    moved = _restore(gpt_config(*layout), ref_dir / "checkpoints", 3)
+    # Same per-layer parameters and optimizer moments, whatever the packing.
+    assert jax.tree.structure(saved) == jax.tree.structure(moved)
+    for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(moved)):
+        np.testing.assert_array_equal(x, y)
+    # Continue steps 4-6 on the new layout from the (2, 4) checkpoint at step 3.
+    workdir = tmp_path / "moved"
+    shutil.copytree(ref_dir / "checkpoints" / "3", workdir / "checkpoints" / "3")
+    train.train_and_evaluate(gpt_config(*layout), workdir)
+    ref, new = losses(ref_dir), losses(workdir)
+    assert sorted(new) == [4, 5, 6]
+    np.testing.assert_allclose([new[s] for s in (4, 5, 6)], [ref[s] for s in (4, 5, 6)],
+                               rtol=0, atol=1e-4)
+
+
+def test_checkpoint_of_another_optimizer_is_refused_clearly(reference, tmp_path):
+    ref_dir, _ = reference
+    shutil.copytree(ref_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
+    with pytest.raises(checkpoint.CheckpointMismatch, match=r"step 6 in .* does not fit") as e:
+        train.train_and_evaluate(gpt_config(**{"train.optimizer": "sgd"}), tmp_path)
+    assert "\n" not in str(e.value)
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).all_steps() == [6]
+
+
+def test_workdir_holds_metrics_events_config_and_checkpoints(reference):
+    ref_dir, final = reference
+    recs = records(ref_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(r["train_loss"]) and r["learning_rate"] >= 0 for r in recs)
+    assert recs[1]["learning_rate"] == pytest.approx(2e-3 / 2)   # warm-up: 1 of 2 steps
+    assert "eval_loss" in recs[-1] and "eval_token_accuracy" in recs[-1]
+    assert "eval_loss" not in recs[0]                       # eval_every=0: only at the end
+    assert final["eval_loss"] == recs[-1]["eval_loss"] and final["step"] == 6
+    assert list(ref_dir.glob("events.out.tfevents.*"))
+    assert json.loads((ref_dir / "config.json").read_text())["model"]["name"] == "gpt"
+    assert checkpoint.Checkpointer(ref_dir / "checkpoints", keep=2).all_steps() == [3, 6]
+
+
+def test_own_data_streams_replace_the_dataset(reference, tmp_path):
+    ref_dir, ref_final = reference
+    # Also traces steps 2-3 with jax.profiler (tracing must not change the numbers).
+    config = gpt_config(**{"profile.enabled": True, "profile.start_step": 2,
+                           "profile.num_steps": 2})
+    ds = {split: data.for_model(models.get_model("gpt", "tiny", dropout_rate=0.1), split,
+                                batch_size=16, max_bytes=40_000) for split in ("train", "test")}
+    half = lambda: ((x, y, np.arange(16) < 8) for x, y, _ in ds["test"].eval_batches())
+    final = train.train_and_evaluate(config, tmp_path, train_data=ds["train"].batches,
+                                     eval_data=lambda: itertools.islice(half(), 2))
+    assert losses(tmp_path) == losses(ref_dir)          # the same stream as the config's
+    assert final["eval_loss"] != ref_final["eval_loss"]  # masked rows are left out
+    assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
+    with pytest.raises(ValueError, match=r"ran out after 3 steps"):
+        train.train_and_evaluate(config, tmp_path / "short",
+                                 train_data=lambda: itertools.islice(ds["train"].batches(), 3))
+
+
+def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
+    config = gpt_config(**{"train.learning_rate": 1e12, "train.warmup_steps": 0,
+                           "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0,
+                           "train.steps": 20, "checkpoint.every": 1})
+    with pytest.raises(train.TrainingDiverged, match=r"at step (\d+) .*learning_rate") as e:
+        train.train_and_evaluate(config, tmp_path)
+    bad = int(e.value.args[0].split("at step ")[1].split(" ")[0])
+    assert 1 <= bad <= 20
+    saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).all_steps()
+    assert all(s < bad for s in saved)
+    if saved:                              # what was saved before is finite
+        state = _restore(config, tmp_path / "checkpoints", saved[-1])
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"mesh.data": 4, "mesh.pipe": 4}, r"mesh .*only 8 are available"),
+    ({"train.batch_size": 12}, r"batch_size=12 is not divisible by .* 2 x 4 = 8"),
+    ({"model.name": "resnet"}, r"model: .*unknown model 'resnet'"),
+    ({"train.optimizer": "lamb"}, r"train.optimizer='lamb' is unknown"),
+    ({"pipeline.boundaries": (1, 2)}, r"pipeline: "),
+    ({"mesh.pipe": 8, "mesh.data": 1, "pipeline.boundaries": None}, r"8 stages but only 4 layers"),
+])
+def test_bad_config_fails_clearly_before_touching_the_workdir(tmp_path, overrides, message):
+    workdir = tmp_path / "w"
+    with pytest.raises(train.ConfigError, match=message) as e:
+        train.train_and_evaluate(gpt_config(**overrides), workdir)
+    assert "\n" not in str(e.value)
+    assert not workdir.exists()
+
+
+def test_unknown_config_key_fails_clearly():
+    with pytest.raises(ValueError, match=r"unknown key 'train.stepz'.*train.steps"):
+        gpt_config(**{"train.stepz": 3})
