@@ -25,13 +25,13 @@ import time
 if "jax" not in __import__("sys").modules:   # simulated devices must exist before jax starts
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 import jaxhybrid as jh
+from jaxhybrid.bench.mlp import Block, Head, xent
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import apply_layer, init_layer
 from jaxhybrid.plan.topology import fmt_bytes
@@ -49,36 +49,16 @@ flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
                   "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
 
 
-class _Block(nn.Module):
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.relu(nn.Dense(self.width)(x)) + x
-
-
-class _Head(nn.Module):
-    classes: int = 10
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(self.classes)(x)
-
-
-def _xent(logits, labels):
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
-
-
 def bench_model(name: str, size: str = "tiny", width: int = 512, blocks: int = 15):
     """(layers, loss_fn, make_batch(n) -> (inputs, targets)) of the benchmark model."""
     if name == "mlp":
-        layers = [_Block(width) for _ in range(blocks)] + [_Head()]
+        layers = [Block(width) for _ in range(blocks)] + [Head()]
 
         def make_batch(n, seed=0):
             r = np.random.default_rng(seed)
             return (r.standard_normal((n, width), np.float32),
                     r.integers(0, 10, n).astype(np.int32))
-        return layers, _xent, make_batch
+        return layers, xent, make_batch
     from jaxhybrid.models import get_model
     spec = get_model(name, size=size)
     return spec.layers, spec.loss_fn, spec.sample_batch

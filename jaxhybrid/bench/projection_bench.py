@@ -43,13 +43,13 @@ import time
 if "jax" not in __import__("sys").modules:   # simulated devices must exist before jax starts
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 import jaxhybrid as jh
+from jaxhybrid.bench.mlp import Block, Head, xent
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import init_layer
 from jaxhybrid.plan import hybrid
@@ -73,26 +73,6 @@ flags.DEFINE_string("json_out", None, "also write the rows and the calibration a
 
 
 # --- the model --------------------------------------------------------------------------
-class Block(nn.Module):
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.relu(nn.Dense(self.width)(x)) + x
-
-
-class Head(nn.Module):
-    classes: int = 10
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(self.classes)(x)
-
-
-def xent(logits, labels):
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
-
-
 @dataclasses.dataclass
 class Model:
     """A residual MLP as pipeline layers, its per-layer variables and a batch maker."""
