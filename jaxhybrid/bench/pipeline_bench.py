@@ -26,14 +26,14 @@ if "jax" not in __import__("sys").modules:   # simulated devices must exist befo
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 import jaxhybrid as jh
 from jaxhybrid.bench.mlp import Block, Head, xent
 from jaxhybrid import pipeline as jp
-from jaxhybrid.layers import apply_layer, init_layer
+from jaxhybrid.layers import apply_layer
+from jaxhybrid.models.spec import init_layers
 from jaxhybrid.plan.topology import fmt_bytes
 
 FLAGS = flags.FLAGS
@@ -116,14 +116,6 @@ def ratio(a, b, repeats: int, measure=cpu_seconds) -> tuple[float, float, float]
     return r, float(np.median(xs)), float(np.median(ys))
 
 
-def init_per_layer(layers, sample):
-    x, out = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample), []
-    for i, layer in enumerate(layers):
-        v, x = init_layer(layer, jax.random.key(i), x, train=False)
-        out.append(v)
-    return out
-
-
 def memory_table(layers, loss_fn, make_batch, per_layer, mb: int, ms, S: int = 4) -> list[dict]:
     rows = []
     for schedule in ("gpipe", "1f1b"):
@@ -176,7 +168,7 @@ def main(argv) -> None:
                          f"set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
     layers, loss_fn, make_batch = bench_model(FLAGS.model, FLAGS.size, FLAGS.width, FLAGS.blocks)
     mb = FLAGS.microbatch
-    per_layer = init_per_layer(layers, make_batch(2)[0])
+    per_layer = init_layers(layers, jax.random.key(0), make_batch(1)[0])
     print(f"model={FLAGS.model} layers={len(layers)} microbatch={mb} "
           f"devices={jax.device_count()} x {jax.devices()[0].platform} "
           f"cores={os.cpu_count()}\n")

@@ -211,22 +211,6 @@ def print_mapping(rows) -> None:
 PARAM_STATE = 3
 
 
-def _abstract_vars(layers, x):
-    """Per-layer variables as zeros of the right shapes (compiling needs no real values)."""
-    import functools
-
-    import jax
-
-    from jaxhybrid.layers import init_layer
-    out = []
-    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
-    for i, layer in enumerate(layers):
-        v, x = jax.eval_shape(functools.partial(init_layer, layer, train=False),
-                              jax.random.key(i), x)
-        out.append(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), v))
-    return out
-
-
 def _compiled_peak(spec, per_layer, batch, cuts, remat, S: int) -> float:
     """Peak bytes per device of the compiled pipeline value_and_grad step."""
     import jax
@@ -295,7 +279,10 @@ def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
     cuts = planner.partition(planner.layer_times(costs), S)
     mem = lambda r: planner.spmd_memory(costs, cuts, sched, r, param_state_factor=PARAM_STATE)  # noqa: E731
     budget = mem(None)[1] / 2
-    per_layer = _abstract_vars(spec.layers, jax.tree.map(lambda a: a[:1], x))
+    # Compiling needs shapes only: zeros in place of initialised values.
+    from jaxhybrid.models.spec import abstract_variables
+    per_layer = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                             abstract_variables(spec.layers, jax.tree.map(lambda a: a[:1], x)))
     x1, y1 = jax.tree.map(lambda a: a[:mb], (x, y))
     base_flops = None
     rows = []

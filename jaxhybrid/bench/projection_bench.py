@@ -51,7 +51,7 @@ from absl import flags
 import jaxhybrid as jh
 from jaxhybrid.bench.mlp import Block, Head, xent
 from jaxhybrid import pipeline as jp
-from jaxhybrid.layers import init_layer
+from jaxhybrid.models.spec import init_layers
 from jaxhybrid.plan import hybrid
 from jaxhybrid.plan.costs import profile
 from jaxhybrid.plan.hardware import Hardware, measured_device
@@ -82,10 +82,7 @@ class Model:
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
         x = jnp.zeros((1, self.width), jnp.float32)
-        self.variables = []
-        for i, layer in enumerate(self.layers):
-            v, x = init_layer(layer, jax.random.key(i), x, train=False)
-            self.variables.append(v)
+        self.variables = init_layers(self.layers, jax.random.key(0), x)
         self._costs: dict = {}
 
     def batch(self, n: int, seed: int = 0):

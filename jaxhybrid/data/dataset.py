@@ -12,17 +12,11 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+# The models' option check: unknown option -> ValueError naming the valid ones.
+from jaxhybrid.models.spec import check_overrides as check_options  # noqa: F401
+
 PyTree = Any
 SPLITS = ("train", "test")
-
-
-def check_options(dataset: str, defaults: dict, options: dict) -> dict:
-    """`defaults` updated with `options`; unknown option -> ValueError naming the valid ones."""
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ValueError(f"{dataset}: unknown option(s) {unknown}; valid options: "
-                         f"{sorted(defaults)}.")
-    return {**defaults, **options}
 
 
 class Dataset:
