@@ -157,3 +157,17 @@ def test_mesh_errors():
         jh.make_mesh(data=-1, pipe=3)
     mesh = jh.make_mesh(data=-1, pipe=2)
     assert dict(mesh.shape) == {"data": 4, "pipe": 2}
+
+
+def test_one_replica_programs_do_not_all_reduce_gradients():
+    # A mean over a one-device "data" axis would still copy every gradient (XLA keeps
+    # the all-reduce); with data = 1 the step has none, or only the pipe loss sum.
+    inputs, labels = mm.make_batch(8)
+    for pipe_size in (1, 4):
+        pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=pipe_size),
+                           num_microbatches=2, remat="none",
+                           boundaries=even_boundaries(len(LAYERS), pipe_size))
+        variables = pipe.pack(_initial_vars())
+        hlo = pipe.value_and_grad(mm.loss_fn).lower(variables, inputs, labels, RNG).as_text()
+        # pipe = 4: the one all-reduce is the loss summed over stages.
+        assert hlo.count("stablehlo.all_reduce") == (pipe_size > 1)

@@ -150,13 +150,15 @@ class Pipeline:
         self._layer_vars = abstract
         colls = sorted({c for v in abstract for c in v})
         self.state_collections = [c for c in colls if c != "params"]
-        self.param_layouts = []
-        for a, b in self.ranges:
-            self.param_layouts.append({c: packing.layout_of([abstract[i].get(c, {}) for i in range(a, b)])
-                                       for c in ["params", *self.state_collections]})
-        self.param_len = packing.max_sizes(l["params"] for l in self.param_layouts)
-        self.state_len = {c: packing.max_sizes(l[c] for l in self.param_layouts)
-                          for c in self.state_collections}
+        self.param_layouts = [{} for _ in self.ranges]
+        lengths = {}
+        for c in ["params", *self.state_collections]:
+            lays, lengths[c] = packing.shared_layouts(
+                [[abstract[i].get(c, {}) for i in range(a, b)] for a, b in self.ranges])
+            for s, lay in enumerate(lays):
+                self.param_layouts[s][c] = lay
+        self.param_len = lengths["params"]
+        self.state_len = {c: lengths[c] for c in self.state_collections}
         self._cache.clear()
 
     def _require_vars(self):
@@ -326,17 +328,18 @@ class Pipeline:
 
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""
-        acts, x = [packing.layout_of(mb_in)], mb_in
+        trees, x = [mb_in], mb_in
         for s in range(self.num_stages):
             params, state = self.abstract_stage_vars(s)
             x = jax.eval_shape(lambda p, st, x, key, s=s: self.programs[s].apply(
                 self.layers, p, st, x, train=train, rng=key, microbatch=0)[0], params, state, x, rng)
-            acts.append(packing.layout_of(x))
+            trees.append(x)
+        internal, act_len = packing.shared_layouts(trees[1:-1])
         return runtime.StageLayouts(
             params=[l["params"] for l in self.param_layouts],
             state=[{c: l[c] for c in self.state_collections} for l in self.param_layouts],
-            act=acts, grad=[], res=[], act_len=packing.max_sizes(acts[1:-1]), grad_len={},
-            res_len={})
+            act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
+            grad=[], res=[], act_len=act_len, grad_len={}, res_len={})
 
     # --- reporting ------------------------------------------------------------------
     def padding_stats(self) -> dict:

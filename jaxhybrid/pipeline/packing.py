@@ -1,106 +1,197 @@
-"""Packing pytrees into flat, padded per-dtype buffers.
+"""Packing pytrees into per-dtype buffers that every pipeline stage can share.
 
 Pipeline stages differ in parameter and activation shapes, but SPMD code needs one
-shape per value: a stage's parameters become one 1-D buffer per dtype, padded to the
-largest stage and stacked as [num_stages, length]; a boundary activation (any pytree)
-or a stage's saved residuals become 1-D buffers padded to the largest over stages, so
-`ppermute` and a ring buffer of stashed residuals can hold any stage's values.
+shape per value. So the values of all stages (a stage's parameters, a boundary's
+activation, a stage's saved residuals) are laid out in one shared set of 1-D buffers,
+each stage using its own part, and stacked as [num_stages, length] where needed:
 
-A `Layout` records, for one pytree structure, where each leaf lives: its dtype buffer
-and offset. Buffers are dicts {dtype name: 1-D array}; a missing dtype means length 0.
+  * whole buffers ("float32#w0", ...): a leaf size that every stage has (the kernels of
+    identical blocks, the activation passed between stages) gets buffers of exactly that
+    size, one leaf each. Reading such a leaf is a reshape of the buffer, which XLA makes
+    a bitcast: a slice of a flat buffer would be copied before every matmul that uses it
+    (on XLA CPU those copies cost a third of a pipelined step).
+  * the rest buffer ("float32"): all other leaves of a dtype, one after another and
+    zero padded to the longest stage.
+
+A `Layout` records, for one pytree structure, the buffer and offset of each leaf.
+Buffers are dicts {key: array whose last axis is the packed axis}; a key missing from a
+layout's sizes means that stage leaves the buffer unused (zeros).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
-Buffers = dict  # {dtype name: array whose last axis is the packed axis}
+Buffers = dict  # {buffer key: array whose last axis is the packed axis}
+
+# Leaves with at least this many elements may get a whole buffer: below it a slice copy
+# is cheaper than the per-buffer work (one more array in every add, ppermute, select).
+WHOLE_MIN = 4096
 
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def dtype_of(key: str) -> str:
+    """The dtype of a buffer key: "float32" (rest buffer) or "float32#w3" (whole buffer)."""
+    return key.split("#")[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each leaf of one pytree structure lives in per-dtype flat buffers."""
+    """Where each leaf of one pytree structure lives in the shared buffers."""
     treedef: Any
     shapes: tuple
     dtypes: tuple          # dtype name per leaf
-    offsets: tuple         # offset of each leaf inside its dtype's buffer
-    sizes: tuple           # ((dtype name, total length), ...) sorted by name
+    keys: tuple            # buffer key per leaf
+    offsets: tuple         # offset of each leaf inside its buffer
+    sizes: tuple           # ((buffer key, elements used), ...) sorted by key
 
     @property
     def size_of(self) -> dict:
         return dict(self.sizes)
 
     def nbytes(self) -> int:
-        return sum(n * np.dtype(d).itemsize for d, n in self.sizes)
+        return sum(n * np.dtype(dtype_of(k)).itemsize for k, n in self.sizes)
+
+
+# A leaf size gets whole buffers for as many of its leaves as the stage with the most of
+# them has, unless the stages with fewer would leave so much unused that the buffers per
+# device grow by more than this fraction; then fewer.
+WHOLE_TOLERANCE = 0.02
+
+
+def _whole_counts(flat: list, whole_min: int) -> dict:
+    """{(dtype, size): number of whole buffers of that size}."""
+    sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
+    counts = [collections.Counter(sig(l) for l in leaves) for leaves, _ in flat]
+    big = sorted({dn for c in counts for dn in c if dn[1] >= whole_min},
+                 key=lambda dn: (-dn[1], dn[0]))
+
+    def nbytes(k: dict) -> int:
+        """Bytes per device: the whole buffers plus each dtype's longest rest."""
+        rest = collections.Counter()
+        for c in counts:
+            mine = collections.Counter()
+            for (dtype, n), cnt in c.items():
+                mine[dtype] += (cnt - min(cnt, k.get((dtype, n), 0))) * n
+            for dtype, n in mine.items():
+                rest[dtype] = max(rest[dtype], n)
+        whole = sum(cnt * n * np.dtype(d).itemsize for (d, n), cnt in k.items())
+        return whole + sum(n * np.dtype(d).itemsize for d, n in rest.items())
+
+    k = {dn: min(c[dn] for c in counts) for dn in big}
+    for dn in big:
+        base = nbytes(k)
+        for more in range(max(c[dn] for c in counts), k[dn], -1):
+            if nbytes({**k, dn: more}) <= base * (1 + WHOLE_TOLERANCE):
+                k[dn] = more
+                break
+    return {dn: cnt for dn, cnt in k.items() if cnt}
+
+
+def shared_layouts(trees: Sequence[PyTree], whole_min: int = WHOLE_MIN) -> tuple[list, dict]:
+    """Layouts of several pytrees (one per stage or boundary) over one set of buffers.
+
+    Returns (layouts, lengths {buffer key: length}). Big leaf sizes get whole buffers
+    (see `_whole_counts`); the other leaves fill the rest buffer of their dtype, padded
+    to the longest tree."""
+    flat = [jax.tree.flatten(t) for t in trees]
+    sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
+    whole, lengths, used = {}, {}, collections.Counter()
+    for (dtype, n), cnt in sorted(_whole_counts(flat, whole_min).items(),
+                                  key=lambda kv: (kv[0][0], -kv[0][1])):
+        whole[(dtype, n)] = []
+        for _ in range(cnt):
+            key = f"{dtype}#w{used[dtype]}"
+            used[dtype] += 1
+            whole[(dtype, n)].append(key)
+            lengths[key] = n
+    layouts, rest_len = [], collections.Counter()
+    for leaves, treedef in flat:
+        taken, rest = collections.Counter(), collections.Counter()
+        keys, offsets = [], []
+        for leaf in leaves:
+            dn = sig(leaf)
+            if taken[dn] < len(whole.get(dn, ())):
+                keys.append(whole[dn][taken[dn]])
+                offsets.append(0)
+                taken[dn] += 1
+            else:
+                keys.append(dn[0])
+                offsets.append(rest[dn[0]])
+                rest[dn[0]] += dn[1]
+        sizes = collections.Counter()
+        for key, leaf in zip(keys, leaves):
+            sizes[key] += math.prod(leaf.shape)
+        for dtype, n in rest.items():
+            rest_len[dtype] = max(rest_len[dtype], n)
+        layouts.append(Layout(treedef, tuple(tuple(l.shape) for l in leaves),
+                              tuple(_dtype_name(l.dtype) for l in leaves), tuple(keys),
+                              tuple(offsets), tuple(sorted(sizes.items()))))
+    lengths.update({d: n for d, n in rest_len.items() if n})
+    return layouts, dict(sorted(lengths.items()))
 
 
 def layout_of(tree: PyTree) -> Layout:
-    """Layout of a pytree of arrays (or ShapeDtypeStructs)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    sizes: dict = {}
-    shapes, dtypes, offsets = [], [], []
-    for leaf in leaves:
-        name = _dtype_name(leaf.dtype)
-        n = math.prod(leaf.shape)
-        shapes.append(tuple(leaf.shape))
-        dtypes.append(name)
-        offsets.append(sizes.get(name, 0))
-        sizes[name] = sizes.get(name, 0) + n
-    return Layout(treedef, tuple(shapes), tuple(dtypes), tuple(offsets),
-                  tuple(sorted(sizes.items())))
+    """Layout of one pytree of arrays (or ShapeDtypeStructs) on buffers of its own."""
+    return shared_layouts([tree])[0][0]
 
 
-def max_sizes(layouts: Iterable[Layout]) -> dict:
-    """Per-dtype padded length that fits every layout."""
-    out: dict = {}
-    for lay in layouts:
-        for name, n in lay.sizes:
-            out[name] = max(out.get(name, 0), n)
-    return dict(sorted(out.items()))
+def _check_fits(layout: Layout, lengths: Mapping[str, int]) -> None:
+    for key, n in layout.sizes:
+        if n > lengths.get(key, 0):
+            raise ValueError(f"pack: {n} values of buffer {key!r} do not fit a buffer of "
+                             f"{lengths.get(key, 0)}")
+
+
+def _whole(layout: Layout, i: int, length: int) -> bool:
+    return layout.offsets[i] == 0 and math.prod(layout.shapes[i]) == length
 
 
 def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> Buffers:
-    """Packs a pytree (or the list of its flat leaves) into {dtype: 1-D array of
-    lengths[dtype]}, zero padded."""
+    """Packs a pytree (or the list of its flat leaves) into {key: 1-D array of
+    lengths[key]}, zero padded."""
     leaves = jax.tree.leaves(tree)
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
-    # Written leaf by leaf into a fresh zero buffer (in-place dynamic_update_slice at static
-    # offsets) rather than with one concatenate: XLA CPU emits a fused concatenate as a
-    # per-element loop over all operands, which cost more than the stage's own matmuls.
+    _check_fits(layout, lengths)
     out = {}
-    for name, total in lengths.items():
-        used = sum(math.prod(sh) for sh, d in zip(layout.shapes, layout.dtypes) if d == name)
-        if used > total:
-            raise ValueError(f"pack: {used} {name} values do not fit a buffer of {total}")
-        buf = jnp.zeros((total,), name)
-        for leaf, d, off in zip(leaves, layout.dtypes, layout.offsets):
-            if d == name:
-                flat = jnp.reshape(leaf, (-1,)).astype(name)
-                buf = jax.lax.dynamic_update_slice_in_dim(buf, flat, off, 0)
-        out[name] = buf
+    for key, total in lengths.items():
+        dtype = dtype_of(key)
+        mine = [i for i, k in enumerate(layout.keys) if k == key]
+        if len(mine) == 1 and _whole(layout, mine[0], total):
+            out[key] = jnp.reshape(leaves[mine[0]], (-1,)).astype(dtype)
+            continue
+        # Written leaf by leaf into a fresh zero buffer (in-place dynamic_update_slice at
+        # static offsets) rather than with one concatenate: XLA CPU emits a fused
+        # concatenate as a per-element loop over all operands, which is slow.
+        buf = jnp.zeros((total,), dtype)
+        for i in mine:
+            flat = jnp.reshape(leaves[i], (-1,)).astype(dtype)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, flat, layout.offsets[i], 0)
+        out[key] = buf
     return out
 
 
 def unpack_leaves(layout: Layout, buffers: Mapping[str, jax.Array]) -> list:
     """Inverse of `pack`: the flat leaves of the layout's pytree."""
     leaves = []
-    for shape, name, off in zip(layout.shapes, layout.dtypes, layout.offsets):
+    for i, (shape, key, off) in enumerate(zip(layout.shapes, layout.keys, layout.offsets)):
         n = math.prod(shape)
-        buf = buffers[name]
+        buf = buffers[key]
         # Leading axes of the buffer (e.g. microbatches) stay in front of the leaf's shape.
-        leaves.append(jnp.reshape(jax.lax.slice_in_dim(buf, off, off + n, axis=-1),
-                                  (*buf.shape[:-1], *shape)))
+        if not _whole(layout, i, buf.shape[-1]):
+            buf = jax.lax.slice_in_dim(buf, off, off + n, axis=-1)
+        leaves.append(jnp.reshape(buf, (*buf.shape[:-1], *shape)))
     return leaves
 
 
@@ -111,23 +202,26 @@ def unpack(layout: Layout, buffers: Mapping[str, jax.Array]) -> PyTree:
 def unpack_numpy(layout: Layout, buffers: Mapping[str, np.ndarray]) -> PyTree:
     """Host-side `unpack` (numpy in, numpy out)."""
     leaves = []
-    for shape, name, off in zip(layout.shapes, layout.dtypes, layout.offsets):
+    for shape, key, off in zip(layout.shapes, layout.keys, layout.offsets):
         n = math.prod(shape)
-        leaves.append(np.asarray(buffers[name][off:off + n]).reshape(shape))
+        leaves.append(np.asarray(buffers[key][off:off + n]).reshape(shape))
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
 def pack_numpy(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> dict:
     """Host-side `pack` (numpy in, numpy out)."""
     leaves = jax.tree.leaves(tree)
-    out = {name: np.zeros((total,), name) for name, total in lengths.items()}
-    for leaf, shape, name, off in zip(leaves, layout.shapes, layout.dtypes, layout.offsets):
+    if len(leaves) != len(layout.shapes):
+        raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
+    _check_fits(layout, lengths)
+    out = {key: np.zeros((total,), dtype_of(key)) for key, total in lengths.items()}
+    for leaf, shape, key, off in zip(leaves, layout.shapes, layout.keys, layout.offsets):
         arr = np.asarray(leaf)
         if arr.shape != shape:
             raise ValueError(f"pack: leaf of shape {arr.shape} where the layout expects {shape}")
-        out[name][off:off + arr.size] = arr.reshape(-1)
+        out[key][off:off + arr.size] = arr.reshape(-1)
     return out
 
 
 def zeros(lengths: Mapping[str, int], lead: Sequence[int] = ()) -> Buffers:
-    return {name: jnp.zeros((*lead, n), name) for name, n in lengths.items()}
+    return {key: jnp.zeros((*lead, n), dtype_of(key)) for key, n in lengths.items()}

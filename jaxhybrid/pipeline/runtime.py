@@ -22,6 +22,7 @@ After the scan: loss and gradients are averaged over "data" (pmean); mutable sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,6 +63,30 @@ def control_table(sched: Schedule, k_act: int, k_grad: int, k_stash: int) -> np.
     return tab
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A run of ticks [start, stop) that need the same kinds of work on some stage."""
+    start: int
+    stop: int
+    forward: bool      # some stage runs a forward
+    backward: bool     # some stage runs a backward
+    send_act: bool     # some stage but the last runs a forward (its output moves down)
+    send_grad: bool    # some stage but the first runs a backward (its gradient moves up)
+
+
+def tick_phases(sched: Schedule) -> list[Phase]:
+    """Splits the table into maximal runs of ticks with the same kinds of work."""
+    f, b = sched.fwd >= 0, sched.bwd >= 0
+    kinds = [(bool(f[t].any()), bool(b[t].any()), bool(f[t, :-1].any()), bool(b[t, 1:].any()))
+             for t in range(sched.num_ticks)]
+    phases, start = [], 0
+    for t in range(1, sched.num_ticks + 1):
+        if t == sched.num_ticks or kinds[t] != kinds[start]:
+            phases.append(Phase(start, t, *kinds[start]))
+            start = t
+    return phases
+
+
 @dataclasses.dataclass
 class StageLayouts:
     """Layouts of everything a stage packs, for one microbatch shape."""
@@ -85,6 +110,14 @@ def _set_row(bufs: dict, row, values: dict) -> dict:
 
 def _get_row(bufs: dict, row) -> dict:
     return {k: lax.dynamic_index_in_dim(v, row, keepdims=False) for k, v in bufs.items()}
+
+
+def _data_mean(data: int, v: jax.Array) -> jax.Array:
+    """Mean over the data replicas of a float value; XLA keeps an all-reduce over a
+    one-device axis (a copy of every gradient), so data = 1 skips it."""
+    if data == 1 or not jnp.issubdtype(v.dtype, jnp.floating):
+        return v
+    return lax.pmean(v, DATA)
 
 
 def _ppermute(bufs: dict, perm) -> dict:
@@ -146,8 +179,7 @@ def stage_layouts(pipe, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: b
     """Abstractly runs every stage in order on one microbatch to learn its boundary
     activation and residual layouts (no FLOPs are spent)."""
     S = pipe.num_stages
-    acts = [packing.layout_of(mb_inputs)]
-    res = []
+    trees, kept_trees = [mb_inputs], []
     x = mb_inputs
     for s in range(S):
         params, state = pipe.abstract_stage_vars(s)
@@ -162,23 +194,24 @@ def stage_layouts(pipe, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: b
 
         out, kept, yi = jax.eval_shape(run, params, state, x, mb_targets, rng,
                                        jax.ShapeDtypeStruct((), jnp.int32))
-        res.append(packing.layout_of(kept))
+        kept_trees.append(kept)
         if s < S - 1:
             y_fn = lambda params, state, x, key, s=s: pipe.programs[s].apply(
                 pipe.layers, params, state, x, train=train, rng=key, microbatch=0)[0]
             x = jax.eval_shape(y_fn, params, state, x, rng)
-            acts.append(packing.layout_of(x))
-    grads = [packing.layout_of([jax.ShapeDtypeStruct(sh, d)
-                                for sh, d in zip(a.shapes, a.dtypes)
-                                if jnp.issubdtype(d, jnp.floating)]) for a in acts]
-    internal = acts[1:]
+            trees.append(x)
+    floats = lambda tree: [l for l in jax.tree.leaves(tree) if jnp.issubdtype(l.dtype, jnp.floating)]
+    # Boundaries 1..S-1 move between stages and share buffers; the model input is not packed.
+    internal, act_len = packing.shared_layouts(trees[1:])
+    grads, grad_len = packing.shared_layouts([floats(t) for t in trees[1:]])
+    res, res_len = packing.shared_layouts(kept_trees)
     return StageLayouts(
         params=[pipe.param_layouts[s]["params"] for s in range(S)],
         state=[{c: lay for c, lay in pipe.param_layouts[s].items() if c != "params"}
                for s in range(S)],
-        act=acts, grad=grads, res=res,
-        act_len=packing.max_sizes(internal), grad_len=packing.max_sizes(grads[1:]),
-        res_len=packing.max_sizes(res))
+        act=[packing.layout_of(mb_inputs), *internal],
+        grad=[packing.layout_of(floats(mb_inputs)), *grads], res=res,
+        act_len=act_len, grad_len=grad_len, res_len=res_len)
 
 
 def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayouts,
@@ -259,34 +292,44 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
             acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
             state=st_bufs, loss=jnp.float32(0))
 
-        def tick(c, t):
+        def tick(c, t, phase: Phase):
             row = lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(ctl, t, keepdims=False),
                                            s, keepdims=False)
-            fm, bm = row[_F], row[_B]
-            m = jnp.maximum(fm, 0)
-            act, res, state, loss = lax.switch(
-                jnp.where(fm >= 0, s + 1, 0), fwd_branches, p_bufs, c["state"],
-                _get_row(c["act_in"], row[_ACT_READ]), _take(inputs, m), _take(targets, m),
-                d * M + m, rng)
-            stash = _set_row(c["stash"], row[_STASH_W], res)
-            # The gradient is accumulated outside the switch: a carried buffer passed through
-            # a conditional is copied, and XLA CPU fuses concatenate+add inside a branch
-            # into a slow per-element loop.
-            g_out, g_params = lax.switch(
-                jnp.where(bm >= 0, s + 1, 0), bwd_branches, p_bufs,
-                _get_row(stash, row[_STASH_R]), _get_row(c["grad_in"], row[_GRAD_READ]))
-            acc = {k: c["acc"][k] + g_params[k] for k in c["acc"]}
-            if S > 1:
-                act, g_out = _ppermute(act, down), _ppermute(g_out, up)
-            return dict(act_in=_set_row(c["act_in"], row[_ACT_RECV], act),
-                        grad_in=_set_row(c["grad_in"], row[_GRAD_RECV], g_out),
-                        stash=stash, acc=acc, state=state, loss=c["loss"] + loss), None
+            c = dict(c)
+            if phase.forward:
+                fm = row[_F]
+                m = jnp.maximum(fm, 0)
+                act, res, c["state"], loss = lax.switch(
+                    jnp.where(fm >= 0, s + 1, 0), fwd_branches, p_bufs, c["state"],
+                    _get_row(c["act_in"], row[_ACT_READ]), _take(inputs, m),
+                    _take(targets, m), d * M + m, rng)
+                c["stash"] = _set_row(c["stash"], row[_STASH_W], res)
+                c["loss"] = c["loss"] + loss
+            if phase.backward:
+                bm = row[_B]
+                # The gradient is accumulated outside the switch: a carried buffer passed
+                # through a conditional is copied.
+                g_out, g_params = lax.switch(
+                    jnp.where(bm >= 0, s + 1, 0), bwd_branches, p_bufs,
+                    _get_row(c["stash"], row[_STASH_R]), _get_row(c["grad_in"], row[_GRAD_READ]))
+                c["acc"] = {k: c["acc"][k] + g_params[k] for k in c["acc"]}
+            if phase.send_act:
+                c["act_in"] = _set_row(c["act_in"], row[_ACT_RECV], _ppermute(act, down))
+            if phase.send_grad:
+                c["grad_in"] = _set_row(c["grad_in"], row[_GRAD_RECV], _ppermute(g_out, up))
+            return c, None
 
-        c, _ = lax.scan(tick, carry, jnp.arange(table.shape[0]))
-        loss = lax.pmean(lax.psum(c["loss"], PIPE), DATA)
-        grads = {k: lax.pmean(v, DATA)[None] for k, v in c["acc"].items()}
-        state = {col: {k: (lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.floating) else v)[None]
-                       for k, v in b.items()} for col, b in c["state"].items()}
+        # One scan per phase of the table (warm-up, steady state, cool-down): a tick in
+        # which no stage runs a backward needs no backward switch, gradient add or
+        # gradient ppermute, and so on.
+        c = carry
+        for phase in tick_phases(sched):
+            c, _ = lax.scan(functools.partial(tick, phase=phase), c,
+                            jnp.arange(phase.start, phase.stop))
+        mean = functools.partial(_data_mean, pipe.data)
+        loss = mean(lax.psum(c["loss"], PIPE))
+        grads = {k: mean(v)[None] for k, v in c["acc"].items()}
+        state = {col: {k: mean(v)[None] for k, v in b.items()} for col, b in c["state"].items()}
         return loss, grads, state
 
     return per_device
@@ -299,7 +342,7 @@ def build_forward_program(pipe, sched: Schedule, lay: StageLayouts, train: bool,
     k_act = sched.slots("act")
     table = control_table(sched, k_act, 1, 1)
     out_lay = lay.act[S]
-    out_len = packing.max_sizes([out_lay])
+    out_len = out_lay.size_of
     down = [(i, i + 1) for i in range(S - 1)]
 
     def branch(s):
@@ -394,8 +437,8 @@ def build_single_stage_program(pipe, loss_fn: Callable, train: bool, has_rng: bo
         by_coll = pipe.stage_state_to_collections(0, state)
         new_state = {c: packing.pack(layouts[c], by_coll[c], pipe.state_len[c])
                      for c in pipe.state_collections}
-        mean = lambda v: lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.floating) else v
-        return (lax.pmean(loss, DATA), {k: lax.pmean(v, DATA)[None] for k, v in g_bufs.items()},
+        mean = functools.partial(_data_mean, pipe.data)
+        return (mean(loss), {k: mean(v)[None] for k, v in g_bufs.items()},
                 {c: {k: mean(v)[None] for k, v in b.items()} for c, b in new_state.items()})
 
     return per_device

@@ -1,0 +1,109 @@
+"""Shared buffer layouts: round trips, whole buffers for big leaves, no slice copies."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.pipeline import packing
+from jaxhybrid.pipeline.runtime import tick_phases
+from jaxhybrid.schedules import make_schedule
+
+S = jax.ShapeDtypeStruct
+BIG = packing.WHOLE_MIN
+
+
+def _stage(blocks: int, head: bool = False):
+    """Per-layer params like a residual MLP stage: big kernels, small biases, a head
+    kernel much smaller than the others."""
+    layers = [{"kernel": S((2 * BIG, 8), jnp.float32), "bias": S((8,), jnp.float32)}
+              for _ in range(blocks)]
+    if head:
+        layers.append({"kernel": S((BIG,), jnp.float32), "bias": S((3,), jnp.float32),
+                       "step": S((), jnp.int32)})
+    return layers
+
+
+def _random_like(tree, seed):
+    r = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: (r.standard_normal(a.shape) * 10).astype(a.dtype), tree)
+
+
+def test_round_trip_on_shared_buffers():
+    trees = [_stage(4), _stage(4), _stage(3, head=True)]
+    layouts, lengths = packing.shared_layouts(trees)
+    for s, (tree, lay) in enumerate(zip(trees, layouts)):
+        values = _random_like(tree, s)
+        bufs = packing.pack(lay, values, lengths)
+        assert {k: v.shape for k, v in bufs.items()} == {k: (n,) for k, n in lengths.items()}
+        for a, b in zip(jax.tree.leaves(packing.unpack(lay, bufs)), jax.tree.leaves(values)):
+            np.testing.assert_array_equal(a, b)
+        host = packing.pack_numpy(lay, values, lengths)
+        for k in lengths:
+            np.testing.assert_array_equal(host[k], bufs[k])
+        for a, b in zip(jax.tree.leaves(packing.unpack_numpy(lay, host)), jax.tree.leaves(values)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_big_leaves_get_whole_buffers():
+    trees = [_stage(4), _stage(4), _stage(3, head=True)]
+    layouts, lengths = packing.shared_layouts(trees)
+    whole = {k for k in lengths if "#w" in k}
+    # Four kernel buffers (the stage with three leaves one unused) and one for the head's
+    # big kernel; biases and the int step go to the rest buffers.
+    assert sorted(lengths[k] for k in whole) == [BIG] + [16 * BIG] * 4
+    assert lengths["float32"] == 4 * 8 and lengths["int32"] == 1
+    for lay in layouts:
+        for shape, key in zip(lay.shapes, lay.keys):
+            assert (key in whole) == (np.prod(shape) >= BIG)
+    # Padding: the unused buffers cost under WHOLE_TOLERANCE more than packing flat.
+    flat = max(sum(np.prod(l.shape) for l in jax.tree.leaves(t)) for t in trees)
+    assert sum(lengths.values()) - 1 <= flat * (1 + packing.WHOLE_TOLERANCE)
+
+
+def test_rare_big_leaf_stays_in_the_rest_buffer():
+    # Stage 1 has a big leaf no other stage has, stage 0 as many values in small leaves:
+    # a whole buffer would double every device's buffers, so the leaf is packed flat.
+    small = [S((BIG // 2,), jnp.float32)] * 8
+    trees = [small, [S((4 * BIG,), jnp.float32)]]
+    _, lengths = packing.shared_layouts(trees)
+    assert lengths == {"float32": 4 * BIG}
+    # Where that stage pads anyway, the whole buffer is free and is taken.
+    _, lengths = packing.shared_layouts([[S((8,), jnp.float32)], [S((4 * BIG,), jnp.float32)]])
+    assert lengths == {"float32": 8, "float32#w0": 4 * BIG}
+
+
+def test_whole_leaves_are_read_without_slicing():
+    prims = lambda lay, lengths: {e.primitive.name for e in jax.make_jaxpr(
+        lambda b: packing.unpack(lay, b))(packing.zeros(lengths)).eqns}
+    kernels = [S((BIG,), jnp.float32)] * 2
+    layouts, lengths = packing.shared_layouts([kernels, kernels])
+    assert "slice" not in prims(layouts[1], lengths)
+    layouts, lengths = packing.shared_layouts([[S((8,), jnp.float32)] * 2] * 2)
+    assert "slice" in prims(layouts[1], lengths)
+
+
+def test_pack_rejects_values_that_do_not_fit():
+    lay = packing.layout_of([S((10,), jnp.float32)])
+    with pytest.raises(ValueError, match="do not fit"):
+        packing.pack(lay, [jnp.zeros(10)], {"float32": 5})
+    with pytest.raises(ValueError, match="got 2 leaves"):
+        packing.pack_numpy(lay, [np.zeros(10), np.zeros(1)], {"float32": 10})
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S_,M", [(2, 1), (4, 8), (3, 7)])
+def test_tick_phases_cover_the_table(name, S_, M):
+    sched = make_schedule(name, S_, M)
+    phases = tick_phases(sched)
+    assert phases[0].start == 0 and phases[-1].stop == sched.num_ticks
+    for a, b in zip(phases, phases[1:]):
+        assert a.stop == b.start
+    for p in phases:
+        f, b = sched.fwd[p.start:p.stop] >= 0, sched.bwd[p.start:p.stop] >= 0
+        # Work a phase leaves out must be absent from every one of its ticks.
+        assert p.forward or not f.any()
+        assert p.backward or not b.any()
+        assert p.send_act or not f[:, :-1].any()
+        assert p.send_grad or not b[:, 1:].any()
+    # Warm-up runs no backward, cool-down no forward.
+    assert not phases[0].backward and not phases[-1].forward
