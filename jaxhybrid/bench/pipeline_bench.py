@@ -7,14 +7,20 @@ Prints, for each (schedule, S, M):
   * per-device temp memory of the compiled step (`memory_analysis().temp_size_in_bytes`);
   * parameter bytes per device and the padding waste of the packed stage buffers (also
     for the tiny jaxhybrid.models with the planner's split);
-and two ratios measured in one run:
-  * process CPU-seconds of a pipelined step (data=1, pipe=4, M=8, remat "none") over a
-    data-parallel step (data=4, pipe=1) of the same model and global batch. Simulated
-    devices share this machine's cores, so CPU-seconds (total work), not wall time, is
-    the fair comparison: a pipeline that computed in its bubbles, padded heavily or
-    recomputed needlessly would burn more of them;
+and CPU-second ratios, each pair measured interleaved in one run:
+  * a pipelined step (data=1, pipe=4, M=8, remat "none") over a data-parallel step
+    (data=4, pipe=1) of the same model and global batch, for each width in --speed_widths.
+    Simulated devices share this machine's cores, so CPU-seconds (total work), not wall
+    time, is the fair comparison: a pipeline that computed in its bubbles, padded heavily
+    or recomputed needlessly would burn more of them. The data-parallel step is taken
+    twice: M=1 (each device runs 2 microbatches' rows at once) and M=2 (the pipelined
+    step's microbatch size, so both run the same matmul shapes: on XLA CPU a 16-row
+    matmul costs clearly more per row than a 32-row one, a cost of microbatching that
+    is not the pipeline's);
   * a 1x1-mesh pipeline step over a plain `jax.jit` step of the same model (the cost of
-    packing, the tick loop and the switch when there is nothing to pipeline).
+    packing and the pipeline program when there is nothing to pipeline), CPU and wall.
+CPU-seconds only grow with interference (other processes, threads contending for the
+cores), so each figure is the least-disturbed (minimum) of --repeats measurements.
 Needs 8 devices: on CPU it sets --xla_force_host_platform_device_count=8 itself.
 """
 from __future__ import annotations
@@ -43,7 +49,9 @@ flags.DEFINE_integer("blocks", 15, "mlp residual blocks (+ 1 head layer: 16 laye
 flags.DEFINE_string("size", "tiny", "model size for jaxhybrid.models names.")
 flags.DEFINE_integer("width", 512, "mlp hidden width.")
 flags.DEFINE_integer("microbatch", 16, "examples per microbatch.")
-flags.DEFINE_integer("repeats", 5, "timed repeats (median) for the CPU-seconds ratios.")
+flags.DEFINE_integer("repeats", 7, "timed repeats (minimum) for the CPU-seconds ratios.")
+flags.DEFINE_list("speed_widths", "512,1024", "mlp widths of the pipelined vs data-parallel "
+                  "table (the wider model moves 4x the parameters per step).")
 flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
 flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
                   "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
@@ -106,14 +114,38 @@ def wall_seconds(fn, args, steps: int = 3) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def ratio(a, b, repeats: int, measure=cpu_seconds) -> tuple[float, float, float]:
-    """Median over interleaved repeats of measure(a) / measure(b); also the medians."""
-    xs, ys = [], []
+def least(fns: dict, repeats: int, measure=cpu_seconds) -> dict:
+    """{name: minimum over `repeats` of measure(*fns[name])}, the functions interleaved
+    so that a slow spell of the machine hits all of them alike."""
+    times = {k: [] for k in fns}
     for _ in range(repeats):
-        xs.append(measure(*a))
-        ys.append(measure(*b))
-    r = float(np.median(np.array(xs) / np.array(ys)))
-    return r, float(np.median(xs)), float(np.median(ys))
+        for k, (fn, args) in fns.items():
+            times[k].append(measure(fn, args))
+    return {k: min(v) for k, v in times.items()}
+
+
+def speed_rows(widths, blocks: int, mb: int, repeats: int) -> list[dict]:
+    """Pipelined vs data-parallel CPU-seconds per step, one row per mlp width."""
+    rows = []
+    for width in widths:
+        layers, loss_fn, make_batch = bench_model("mlp", width=width, blocks=blocks)
+        per_layer = init_layers(layers, jax.random.key(0), make_batch(1)[0])
+        batch = make_batch(8 * mb)   # one global batch for every layout
+        step = lambda **kw: pipeline_step(layers, loss_fn, per_layer, batch, **kw)[:2]
+        t = least(dict(piped=step(data=1, pipe=4, M=8), dp1=step(data=4, pipe=1, M=1),
+                       dp2=step(data=4, pipe=1, M=2)), repeats)
+        rows.append(dict(width=width, microbatch=mb, **t))
+    return rows
+
+
+def print_speed_rows(rows) -> None:
+    print(f"\nCPU-seconds per step, same model and global batch on 4 of the simulated devices:")
+    print(f"{'model':22} {'pipelined 1x4 M=8':>17} {'DP 4x1 M=1':>11} {'ratio':>6} "
+          f"{'DP 4x1 M=2':>11} {'ratio':>6}")
+    for r in rows:
+        print(f"{'mlp width=' + str(r['width']) + ' mb=' + str(r['microbatch']):22} "
+              f"{r['piped'] * 1e3:14.1f} ms {r['dp1'] * 1e3:8.1f} ms {r['piped'] / r['dp1']:5.2f}x "
+              f"{r['dp2'] * 1e3:8.1f} ms {r['piped'] / r['dp2']:5.2f}x")
 
 
 def memory_table(layers, loss_fn, make_batch, per_layer, mb: int, ms, S: int = 4) -> list[dict]:
@@ -177,21 +209,17 @@ def main(argv) -> None:
     if FLAGS.padding_models:
         padding_table(FLAGS.padding_models)
 
-    batch = make_batch(8 * mb)   # one global batch for both layouts
-    piped = pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=4, M=8)[:2]
-    dp = pipeline_step(layers, loss_fn, per_layer, batch, data=4, pipe=1, M=1)[:2]
-    r, a, b = ratio(piped, dp, FLAGS.repeats)
-    print(f"\nCPU-seconds/step: pipelined (data=1, pipe=4, M=8) {a * 1e3:.1f} ms, "
-          f"data-parallel (data=4, pipe=1) {b * 1e3:.1f} ms, ratio {r:.3f}x")
+    print_speed_rows(speed_rows([int(w) for w in FLAGS.speed_widths], FLAGS.blocks, mb,
+                                FLAGS.repeats))
 
-    one = pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=1, M=1)[:2]
-    plain = plain_step(layers, loss_fn, per_layer, batch)
-    r, a, b = ratio(one, plain, FLAGS.repeats)
-    print(f"1x1 pipeline vs plain jax.jit: CPU-seconds {a * 1e3:.1f} ms vs {b * 1e3:.1f} ms, "
-          f"ratio {r:.3f}x")
-    r, a, b = ratio(one, plain, FLAGS.repeats, measure=wall_seconds)
-    print(f"1x1 pipeline vs plain jax.jit: wall {a * 1e3:.1f} ms vs {b * 1e3:.1f} ms, "
-          f"ratio {r:.3f}x")
+    batch = make_batch(8 * mb)
+    fns = dict(one=pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=1, M=1)[:2],
+               plain=plain_step(layers, loss_fn, per_layer, batch))
+    cpu, wall = least(fns, FLAGS.repeats), least(fns, FLAGS.repeats, measure=wall_seconds)
+    print(f"\n1x1 pipeline vs plain jax.jit ({FLAGS.model}): CPU-seconds {cpu['one'] * 1e3:.1f} "
+          f"vs {cpu['plain'] * 1e3:.1f} ms, ratio {cpu['one'] / cpu['plain']:.3f}x; wall "
+          f"{wall['one'] * 1e3:.1f} vs {wall['plain'] * 1e3:.1f} ms, ratio "
+          f"{wall['one'] / wall['plain']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""scripts/bench.py pipeline end to end on a tiny model: every table prints, with numbers."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pipeline_bench_prints_every_table():
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "pipeline", "--blocks=3",
+         "--width=64", "--microbatch=4", "--repeats=1", "--memory_m=4,8",
+         "--padding_models=gpt", "--speed_widths=64"],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    # Memory table: both schedules at both M, and the growth line of each.
+    assert len(re.findall(r"^(gpipe|1f1b)\s+4\s+(4|8)\s", out, re.M)) == 4
+    assert re.search(r"1f1b: temp memory M=8 / M=4 = \d+\.\d\dx", out)
+    assert re.search(r"gpt\s+layers=\s*4 boundaries=\[\d+, \d+, \d+\] .*padding=\d+\.\d%", out)
+    assert re.search(r"mlp width=64 mb=4\s+[\d.]+ ms\s+[\d.]+ ms\s+[\d.]+x\s+[\d.]+ ms\s+[\d.]+x", out)
+    assert re.search(r"1x1 pipeline vs plain jax.jit \(mlp\): CPU-seconds .* ratio [\d.]+x; wall", out)
