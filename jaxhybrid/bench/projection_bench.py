@@ -167,11 +167,22 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     kw = dict(schedule=schedule, runs=runs, reduce=reduce)
     t1 = measure_step(model, data=1, pipe=1, M=1, batch=batch, boundaries=[], **kw)
     tn = measure_step(model, data=n, pipe=1, M=1, batch=batch, boundaries=[], **kw)
-    slots = float(np.clip(n * t1 / tn, 1.0, min(n, os.cpu_count() or n)))
+    # n replicas' compute shares C slots: t(nx1) = n t(1x1) / C + the gradient all-reduce
+    # (which 1x1 does not run), itself modelled with C; a few fixed-point rounds solve it.
+    clip = lambda c: float(np.clip(c, 1.0, min(n, os.cpu_count() or n)))
+    device = lambda c: measured_device(
+        "host_cpu", mem_bandwidth=bw, devices_per_node=n, compute_slots=c,
+        description=f"{n} simulated CPU devices on {os.cpu_count()} cores")
+    slots = clip(n * t1 / tn)
+    for _ in range(5):
+        ar = hybrid.step_time(model.costs, device(slots), data=n, pipe=1, num_microbatches=1,
+                              per_worker_batch=batch, schedule=schedule,
+                              include_update=False).allreduce_time
+        slots = clip(n * t1 / max(tn - ar, 1e-9))
     log(f"calibration: stream bandwidth {bw / 1e9:.1f} GB/s; DP scaling t(1x1)={t1 * 1e3:.2f} ms, "
-        f"t({n}x1)={tn * 1e3:.2f} ms -> compute_slots C={slots:.2f} (host cores: {os.cpu_count()})")
-    base = measured_device("host_cpu", mem_bandwidth=bw, devices_per_node=n, compute_slots=slots,
-                           description=f"{n} simulated CPU devices on {os.cpu_count()} cores")
+        f"t({n}x1)={tn * 1e3:.2f} ms (all-reduce {ar * 1e3:.2f} ms) -> compute_slots "
+        f"C={slots:.2f} (host cores: {os.cpu_count()})")
+    base = device(slots)
     meas = []
     for data, pipe, M in configs:
         b = hybrid.step_time(cal.costs, base, data=data, pipe=pipe, num_microbatches=M,
