@@ -1,6 +1,6 @@
 """Checkpoints that do not depend on the device layout.
 
-The pipeline keeps parameters packed per stage ({dtype: [pipe, length]} buffers whose
+The pipeline keeps parameters packed per stage ({buffer key: [pipe, length]} buffers whose
 contents depend on the stage boundaries), and the optimizer runs on those buffers, so
 its moment estimates are packed the same way. A checkpoint stores neither: it stores,
 for every layer, that layer's flax variables and its share of every parameter-shaped
@@ -41,7 +41,7 @@ class CheckpointMismatch(ValueError):
 # --- parameter-shaped trees <-> per layer -------------------------------------------
 def _param_slot_test(params: dict):
     """Predicate: is a node of an optimizer state shaped like the packed params (a dict
-    {dtype: [pipe, length]} with the params' keys and shapes)?"""
+    {buffer key: [pipe, length]} with the params' keys and shapes)?"""
     shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
 
     def is_slot(node) -> bool:

@@ -182,7 +182,8 @@ class Pipeline:
     # --- variables ------------------------------------------------------------------
     def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
         """Initialises every layer (in order, on the first example of `sample_inputs`) and
-        returns packed variables {collection: {dtype: [S, length]}} sharded over "pipe"."""
+        returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
+        (buffer keys: see `jaxhybrid.pipeline.packing`)."""
         self._sample = self._microbatch_sample(sample_inputs)
         if self._needs_plan:
             plan = self._make_plan(fixed=not self._planner_cuts)

@@ -9,15 +9,17 @@ the device looks up its row of the table and runs
      loss instead);
   2. a backward slot: lax.switch over [idle, B_0 .. B_{S-1}], which rebuilds the vjp from
      the stash, pulls back the gradient received from stage s+1 (or d loss / d loss on
-     the last stage), adds the parameter gradient to the accumulator and packs the
-     input gradient for stage s-1;
+     the last stage) and packs the parameter gradient (added to the accumulator after
+     the switch) and the input gradient for stage s-1;
   3. two `ppermute`s along "pipe": activations down, gradients up. They sit at tick
      level, outside every switch, so all devices issue the same collectives in the same
      order. Received values land in inbox ring buffers at slots the table dictates.
-Idle slots take the idle branch, so bubbles cost no compute. Stash/inbox sizes come from
-the table (`Schedule.slots`), so 1F1B keeps O(S) microbatches of residuals and GPipe O(M).
-After the scan: loss and gradients are averaged over "data" (pmean); mutable state
-(BatchNorm statistics) likewise.
+Idle slots take the idle branch, so bubbles cost no compute. The ticks run as one scan per
+phase of the table (`tick_phases`): where no stage runs a backward (warm-up), a tick has
+no backward switch, gradient add or gradient ppermute; likewise for forwards. Stash and
+inbox sizes come from the table (`Schedule.slots`), so 1F1B keeps O(S) microbatches of
+residuals and GPipe O(M). After the scans: loss and gradients are averaged over "data"
+(pmean; skipped when data = 1); mutable state (BatchNorm statistics) likewise.
 """
 from __future__ import annotations
 
