@@ -72,6 +72,18 @@ def test_rare_big_leaf_stays_in_the_rest_buffer():
     assert lengths == {"float32": 8, "float32#w0": 4 * BIG}
 
 
+def test_values_that_travel_get_one_buffer_per_dtype():
+    # Activations: one ppermute per buffer, so whole_min=None packs them flat; a lone
+    # array still fills its buffer exactly and is read without a slice.
+    trees = [{"h": S((BIG,), jnp.float32), "c": S((BIG,), jnp.float32), "ids": S((4,), jnp.int32)}] * 3
+    layouts, lengths = packing.shared_layouts(trees, whole_min=None)
+    assert lengths == {"float32": 2 * BIG, "int32": 4}
+    lone, lengths = packing.shared_layouts([[S((BIG,), jnp.float32)]] * 2, whole_min=None)
+    prims = {e.primitive.name for e in jax.make_jaxpr(
+        lambda b: packing.unpack(lone[0], b))(packing.zeros(lengths)).eqns}
+    assert "slice" not in prims
+
+
 def test_whole_leaves_are_read_without_slicing():
     prims = lambda lay, lengths: {e.primitive.name for e in jax.make_jaxpr(
         lambda b: packing.unpack(lay, b))(packing.zeros(lengths)).eqns}

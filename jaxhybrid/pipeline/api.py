@@ -335,7 +335,7 @@ class Pipeline:
             x = jax.eval_shape(lambda p, st, x, key, s=s: self.programs[s].apply(
                 self.layers, p, st, x, train=train, rng=key, microbatch=0)[0], params, state, x, rng)
             trees.append(x)
-        internal, act_len = packing.shared_layouts(trees[1:-1])
+        internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
         return runtime.StageLayouts(
             params=[l["params"] for l in self.param_layouts],
             state=[{c: l[c] for c in self.state_collections} for l in self.param_layouts],

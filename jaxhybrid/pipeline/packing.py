@@ -69,11 +69,11 @@ class Layout:
 WHOLE_TOLERANCE = 0.02
 
 
-def _whole_counts(flat: list, whole_min: int) -> dict:
+def _whole_counts(flat: list, whole_min: int | None) -> dict:
     """{(dtype, size): number of whole buffers of that size}."""
     sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
     counts = [collections.Counter(sig(l) for l in leaves) for leaves, _ in flat]
-    big = sorted({dn for c in counts for dn in c if dn[1] >= whole_min},
+    big = sorted({dn for c in counts for dn in c if whole_min is not None and dn[1] >= whole_min},
                  key=lambda dn: (-dn[1], dn[0]))
 
     def nbytes(k: dict) -> int:
@@ -98,12 +98,15 @@ def _whole_counts(flat: list, whole_min: int) -> dict:
     return {dn: cnt for dn, cnt in k.items() if cnt}
 
 
-def shared_layouts(trees: Sequence[PyTree], whole_min: int = WHOLE_MIN) -> tuple[list, dict]:
+def shared_layouts(trees: Sequence[PyTree], whole_min: int | None = WHOLE_MIN
+                   ) -> tuple[list, dict]:
     """Layouts of several pytrees (one per stage or boundary) over one set of buffers.
 
     Returns (layouts, lengths {buffer key: length}). Big leaf sizes get whole buffers
     (see `_whole_counts`); the other leaves fill the rest buffer of their dtype, padded
-    to the longest tree."""
+    to the longest tree. whole_min=None: rest buffers only, one per dtype (for values
+    that travel: each buffer is one more collective per tick, while a single-leaf rest
+    buffer is still read without a slice)."""
     flat = [jax.tree.flatten(t) for t in trees]
     sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
     whole, lengths, used = {}, {}, collections.Counter()

@@ -203,9 +203,10 @@ def stage_layouts(pipe, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: b
             x = jax.eval_shape(y_fn, params, state, x, rng)
             trees.append(x)
     floats = lambda tree: [l for l in jax.tree.leaves(tree) if jnp.issubdtype(l.dtype, jnp.floating)]
-    # Boundaries 1..S-1 move between stages and share buffers; the model input is not packed.
-    internal, act_len = packing.shared_layouts(trees[1:])
-    grads, grad_len = packing.shared_layouts([floats(t) for t in trees[1:]])
+    # Boundaries 1..S-1 move between stages and share buffers, one per dtype (one ppermute
+    # each); the model input is not packed.
+    internal, act_len = packing.shared_layouts(trees[1:], whole_min=None)
+    grads, grad_len = packing.shared_layouts([floats(t) for t in trees[1:]], whole_min=None)
     res, res_len = packing.shared_layouts(kept_trees)
     return StageLayouts(
         params=[pipe.param_layouts[s]["params"] for s in range(S)],
