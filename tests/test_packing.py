@@ -121,3 +121,14 @@ def test_tick_phases_cover_the_table(name, S_, M):
     # one is another copy of every stage for XLA to compile).
     assert not phases[0].backward and not phases[-1].forward
     assert len(phases) <= 3
+
+
+def test_alternating_table_runs_as_one_phase():
+    # Forward-only and backward-only ticks alternating would make one scan (one compiled
+    # copy of every stage) per tick; such a table runs as a single phase.
+    from jaxhybrid.schedules import Schedule
+    fwd = np.array([[0, -1], [-1, -1], [1, -1], [-1, -1]])
+    bwd = np.array([[-1, -1], [0, -1], [-1, -1], [1, -1]])
+    phases = tick_phases(Schedule("alt", 2, 2, fwd, bwd))
+    assert len(phases) == 1 and phases[0].forward and phases[0].backward
+    assert (phases[0].start, phases[0].stop) == (0, 4)

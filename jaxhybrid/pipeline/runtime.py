@@ -90,6 +90,9 @@ def tick_phases(sched: Schedule) -> list[Phase]:
             phases.append(Phase(start, t, *kinds[start], bool(f[start:t, :-1].any()),
                                 bool(b[start:t, 1:].any())))
             start = t
+    if len(phases) > 3:   # a table that alternates (a custom schedule): one scan, one copy
+        return [Phase(0, sched.num_ticks, bool(f.any()), bool(b.any()), bool(f[:, :-1].any()),
+                      bool(b[:, 1:].any()))]
     return phases
 
 
