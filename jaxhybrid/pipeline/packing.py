@@ -40,6 +40,11 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def _signature(leaf) -> tuple[str, int]:
+    """(dtype name, number of elements): what decides which buffers a leaf can share."""
+    return _dtype_name(leaf.dtype), math.prod(leaf.shape)
+
+
 def dtype_of(key: str) -> str:
     """The dtype of a buffer key: "float32" (rest buffer) or "float32#w3" (whole buffer)."""
     return key.split("#")[0]
@@ -71,9 +76,10 @@ WHOLE_TOLERANCE = 0.02
 
 def _whole_counts(flat: list, whole_min: int | None) -> dict:
     """{(dtype, size): number of whole buffers of that size}."""
-    sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
-    counts = [collections.Counter(sig(l) for l in leaves) for leaves, _ in flat]
-    big = sorted({dn for c in counts for dn in c if whole_min is not None and dn[1] >= whole_min},
+    if whole_min is None:
+        return {}
+    counts = [collections.Counter(_signature(l) for l in leaves) for leaves, _ in flat]
+    big = sorted({dn for c in counts for dn in c if dn[1] >= whole_min},
                  key=lambda dn: (-dn[1], dn[0]))
 
     def nbytes(k: dict) -> int:
@@ -108,7 +114,6 @@ def shared_layouts(trees: Sequence[PyTree], whole_min: int | None = WHOLE_MIN
     that travel: each buffer is one more collective per tick, while a single-leaf rest
     buffer is still read without a slice)."""
     flat = [jax.tree.flatten(t) for t in trees]
-    sig = lambda leaf: (_dtype_name(leaf.dtype), math.prod(leaf.shape))
     whole, lengths, used = {}, {}, collections.Counter()
     for (dtype, n), cnt in sorted(_whole_counts(flat, whole_min).items(),
                                   key=lambda kv: (kv[0][0], -kv[0][1])):
@@ -123,7 +128,7 @@ def shared_layouts(trees: Sequence[PyTree], whole_min: int | None = WHOLE_MIN
         taken, rest = collections.Counter(), collections.Counter()
         keys, offsets = [], []
         for leaf in leaves:
-            dn = sig(leaf)
+            dn = _signature(leaf)
             if taken[dn] < len(whole.get(dn, ())):
                 keys.append(whole[dn][taken[dn]])
                 offsets.append(0)

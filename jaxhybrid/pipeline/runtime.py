@@ -14,12 +14,13 @@ the device looks up its row of the table and runs
   3. two `ppermute`s along "pipe": activations down, gradients up. They sit at tick
      level, outside every switch, so all devices issue the same collectives in the same
      order. Received values land in inbox ring buffers at slots the table dictates.
-Idle slots take the idle branch, so bubbles cost no compute. The ticks run as one scan per
-phase of the table (`tick_phases`): where no stage runs a backward (warm-up), a tick has
-no backward switch, gradient add or gradient ppermute; likewise for forwards. Stash and
-inbox sizes come from the table (`Schedule.slots`), so 1F1B keeps O(S) microbatches of
-residuals and GPipe O(M). After the scans: loss and gradients are averaged over "data"
-(pmean; skipped when data = 1); mutable state (BatchNorm statistics) likewise.
+Idle slots take the switch's idle branch (forward) or the cond's idle side (backward),
+so bubbles cost no compute. The ticks run as one scan per phase of the table
+(`tick_phases`): where no stage runs a backward (warm-up), a tick has no backward
+switch, gradient add or gradient ppermute; likewise for forwards. Stash and inbox sizes
+come from the table (`Schedule.slots`), so 1F1B keeps O(S) microbatches of residuals and
+GPipe O(M). After the scans: loss and gradients are averaged over "data" (pmean; skipped
+when data = 1); mutable state (BatchNorm statistics) likewise.
 """
 from __future__ import annotations
 
@@ -83,16 +84,20 @@ def tick_phases(sched: Schedule) -> list[Phase]:
     a phase sends when any of its ticks does (five phases instead of three cost ~70%
     more compile time for Inception-V3, for two ppermutes per step)."""
     f, b = sched.fwd >= 0, sched.bwd >= 0
+
+    def phase(start: int, stop: int) -> Phase:
+        ff, bb = f[start:stop], b[start:stop]
+        return Phase(start, stop, bool(ff.any()), bool(bb.any()), bool(ff[:, :-1].any()),
+                     bool(bb[:, 1:].any()))
+
     kinds = [(bool(f[t].any()), bool(b[t].any())) for t in range(sched.num_ticks)]
     phases, start = [], 0
     for t in range(1, sched.num_ticks + 1):
         if t == sched.num_ticks or kinds[t] != kinds[start]:
-            phases.append(Phase(start, t, *kinds[start], bool(f[start:t, :-1].any()),
-                                bool(b[start:t, 1:].any())))
+            phases.append(phase(start, t))
             start = t
     if len(phases) > 3:   # a table that alternates (a custom schedule): one scan, one copy
-        return [Phase(0, sched.num_ticks, bool(f.any()), bool(b.any()), bool(f[:, :-1].any()),
-                      bool(b[:, 1:].any()))]
+        return [phase(0, sched.num_ticks)]
     return phases
 
 
