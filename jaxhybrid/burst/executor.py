@@ -1,0 +1,253 @@
+"""Burst parallelism executor: one SPMD program over the mesh's `data` axis (pipe = 1).
+
+Layer l runs on the first g_l devices of the data axis (`widths[l]`, a power of two
+dividing the device count G); each of them takes B / g_l examples of the global batch B,
+in order (device d holds rows d*B/g_l .. (d+1)*B/g_l). Devices d >= g_l skip the layer
+through a `lax.cond` whose other branch computes nothing (it only fills zeros, or, when
+multiplexing, runs background work: `jaxhybrid.burst.multiplex`).
+
+Width changes move the batch with an `all_gather` at top level — never inside a cond
+branch: every device issues the same collectives in the same order (a collective inside
+a branch that only some devices take deadlocks). Its transpose, a reduce-scatter, carries
+the cotangents back in the backward pass, also at top level.
+
+Gradients are taken inside the program w.r.t. each device's own copy of the parameters;
+layer l's gradient is then all-reduced over its g_l devices only (`psum` with
+`axis_index_groups`: G / g_l groups of g_l consecutive devices; the other groups sum
+zeros). State is therefore kept per device, stacked over the data axis (leading dim G,
+`PartitionSpec("data")`): device d's copy of layer l is maintained iff d < g_l, the way
+DeepPool keeps layer l's parameters on its g_l devices only. Device 0 takes part in every
+layer, so `first_copy` (index 0) is the model. Batch statistics (BatchNorm) are computed
+per device over its B / g_l examples and averaged over the g_l devices (ghost batch
+norm, as data parallelism does); `jaxhybrid.burst.reference` is the single-device program
+with the same semantics.
+
+Dropout: layer l on device d draws from `layer_rng(rng, d, l)` (chunk d of the batch at
+that layer); with every width 1 this is `ModelSpec.apply`'s stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.mesh import DATA, PIPE
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BurstProgram:
+    """What the executor runs: `layers` (flax Modules in order), `loss_fn(outputs,
+    targets)` (mean loss of one chunk), per-layer `widths`, the `mesh` (data x pipe=1)
+    and the global `batch_size`. Hashed by identity (a static jit argument)."""
+    layers: tuple
+    loss_fn: Callable
+    widths: tuple
+    mesh: Mesh
+    batch_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        check_widths(self.widths, len(self.layers), self.num_devices, self.batch_size)
+        pipe = dict(self.mesh.shape).get(PIPE, 1)
+        if pipe != 1:
+            raise ValueError(f"BurstProgram: the mesh has pipe={pipe}; burst parallelism runs "
+                             f"over the data axis only: use jaxhybrid.make_mesh(data=N, pipe=1).")
+
+    @property
+    def num_devices(self) -> int:
+        return int(dict(self.mesh.shape)[DATA])
+
+
+def check_widths(widths: Sequence[int], num_layers: int, G: int, batch_size: int) -> None:
+    if len(widths) != num_layers:
+        raise ValueError(f"burst: {len(widths)} widths for {num_layers} layers; give one per layer.")
+    if batch_size % G:
+        raise ValueError(f"burst: batch_size={batch_size} must be a multiple of the {G} devices "
+                         f"of the data axis.")
+    for l, g in enumerate(widths):
+        if g < 1 or g > G or g & (g - 1):
+            raise ValueError(f"burst: width {g} of layer {l} must be a power of two in 1..{G}.")
+
+
+def _relayout(x: PyTree, g_from: int, g_to: int, batch: int) -> PyTree:
+    """Local chunk of the batch laid out over g_from devices -> over g_to devices.
+    Top level only (it is a collective)."""
+    if g_from == g_to:
+        return x
+    d = jax.lax.axis_index(DATA)
+    n = batch // g_to
+    start = jnp.minimum(d, g_to - 1) * n      # devices >= g_to take any rows: they skip
+
+    def one(a):
+        full = jax.lax.all_gather(a, DATA, tiled=True)[:batch]
+        return jax.lax.dynamic_slice_in_dim(full, start, n, axis=0)
+    return jax.tree.map(one, x)
+
+
+def groups(g: int, G: int):
+    """`axis_index_groups` for an all-reduce over the first g devices (None: all)."""
+    if g == G:
+        return None
+    return [list(range(k, k + g)) for k in range(0, G, g)]
+
+
+def _unbox_like(tree, like):
+    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
+
+
+def layer_cond(layer, index: int, width: int, params, state, x, rng, idle=None, idle_carry=None):
+    """Runs `layer` on devices < width; the others run `idle(idle_carry)` (default:
+    nothing). Returns (y, new_state, idle_carry)."""
+    d = jax.lax.axis_index(DATA)
+    key = layer_rng(rng, d, index) if rng is not None else None
+
+    def run(p, st, xx, c):
+        y, st2 = apply_layer(layer, {"params": p, **st}, xx, train=True, rng=key)
+        return y, _unbox_like(st2, st), c
+
+    shapes = jax.eval_shape(run, params, state, x, idle_carry)
+
+    def skip(p, st, xx, c):
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+        return zeros, st, (idle(c) if idle is not None else c)
+
+    return jax.lax.cond(d < width, run, skip, params, state, x, idle_carry)
+
+
+def forward_objective(program: BurstProgram, params, states, x, t, rng, idle=None, carry=None):
+    """This device's share of the loss (loss of its chunk / g_L on active devices, 0
+    elsewhere) and the new per-layer states. `idle(l, carry)` runs in layer l's skip
+    branch (background work); returns (objective, (states, carry))."""
+    G, B = program.num_devices, program.batch_size
+    d = jax.lax.axis_index(DATA)
+    g_prev, new_states = G, []
+    for l, (layer, g) in enumerate(zip(program.layers, program.widths)):
+        x = _relayout(x, g_prev, g, B)
+        fn = functools.partial(idle, l) if idle is not None else None
+        x, st, carry = layer_cond(layer, l, g, params[l], states[l], x, rng, fn, carry)
+        new_states.append(st)
+        g_prev = g
+    t = _relayout(t, G, g_prev, B)
+    obj = jax.lax.cond(d < g_prev,
+                       lambda y, tt: jnp.asarray(program.loss_fn(y, tt), jnp.float32) / g_prev,
+                       lambda y, tt: jnp.zeros((), jnp.float32), x, t)
+    return obj, (new_states, carry)
+
+
+def reduce_grads(program: BurstProgram, grads, states, new_states):
+    """Layer l's gradients summed over its g_l devices; its state averaged over them
+    (devices outside keep their stale copy)."""
+    G = program.num_devices
+    d = jax.lax.axis_index(DATA)
+    out_g, out_s = [], []
+    for g, gr, st, nst in zip(program.widths, grads, states, new_states):
+        if g > 1:
+            gr = jax.lax.psum(gr, DATA, axis_index_groups=groups(g, G))
+            if jax.tree.leaves(nst):
+                mean = jax.lax.psum(nst, DATA, axis_index_groups=groups(g, G))
+                nst = jax.tree.map(lambda m, o: jnp.where(d < g, m / g, o), mean, st)
+        out_g.append(gr)
+        out_s.append(nst)
+    return out_g, out_s
+
+
+def split_variables(variables: Sequence[dict]):
+    params = [dict(v).get("params", {}) for v in variables]
+    states = [{c: t for c, t in dict(v).items() if c != "params"} for v in variables]
+    return params, states
+
+
+def _squeeze(tree):
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _stack(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def local_value_and_grad(program, params, states, x, t, rng, idle=None, carry=None):
+    """Inside the program: (global loss, reduced grads, new states, idle carry)."""
+    (obj, (new_states, carry)), grads = jax.value_and_grad(
+        lambda p: forward_objective(program, p, states, x, t, rng, idle, carry),
+        has_aux=True)(params)
+    loss = jax.lax.psum(obj, DATA)
+    grads, new_states = reduce_grads(program, grads, states, new_states)
+    return loss, grads, new_states, carry
+
+
+def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2):
+    """shard_map of `body(stacked..., batch..., rng)` over the data axis: per-device
+    stacked trees and batches split over it, the rng key replicated."""
+    in_specs = (P(DATA),) * (n_stacked + n_batches) + (P(),)
+    return jax.shard_map(body, mesh=program.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
+    """(loss, grads, new_variables) of one burst step. `variables`: per-layer dicts
+    stacked per device (`replicate`); inputs/targets: the global batch (rows split over
+    the data axis). grads and new_variables come back stacked per device."""
+    def body(v, x, t, key):
+        params, states = split_variables(_squeeze(v))
+        loss, grads, new_states, _ = local_value_and_grad(program, params, states, x, t, key)
+        new_vars = [{"params": p, **s} for p, s in zip(params, new_states)]
+        return loss, _stack(grads), _stack(new_vars)
+
+    return shard(program, body, (P(), P(DATA), P(DATA)))(variables, inputs, targets, rng)
+
+
+def apply_update(optimizer, params, opt_state, grads):
+    import optax
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def init_train_state(optimizer, variables: Sequence[dict], mesh: Mesh) -> dict:
+    """{"params", "states", "opt_state"} stacked per device of the data axis."""
+    params, states = split_variables(variables)
+    return replicate({"params": params, "states": states,
+                      "opt_state": optimizer.init(params)}, mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, rng):
+    """One burst step plus the optimizer update on every device's copy. Returns
+    (loss, new train state)."""
+    def body(ts, x, t, key):
+        ts = _squeeze(ts)
+        loss, grads, new_states, _ = local_value_and_grad(program, ts["params"], ts["states"],
+                                                          x, t, key)
+        params, opt_state = apply_update(optimizer, ts["params"], ts["opt_state"], grads)
+        return loss, _stack({"params": params, "states": new_states, "opt_state": opt_state})
+
+    return shard(program, body, (P(), P(DATA)))(train_state, inputs, targets, rng)
+
+
+def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
+    """One copy of `tree` per device of the data axis: leading dim G, sharded over it."""
+    G = int(dict(mesh.shape)[DATA])
+    sharding = NamedSharding(mesh, P(DATA))
+    return jax.tree.map(
+        lambda a: jax.device_put(jnp.broadcast_to(jnp.asarray(a)[None], (G, *np.shape(a))),
+                                 sharding), tree)
+
+
+def first_copy(tree: PyTree) -> PyTree:
+    """Device 0's copy of a stacked tree (device 0 runs every layer)."""
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def data_parallel_widths(num_layers: int, mesh: Mesh) -> tuple:
+    """Every layer on every device: plain data parallelism, as a burst plan."""
+    return (int(dict(mesh.shape)[DATA]),) * num_layers
