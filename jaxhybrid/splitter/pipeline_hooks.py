@@ -1,0 +1,199 @@
+"""What `Pipeline` calls when it is given one model instead of a list of layers.
+
+`Pipeline.__init__` asks `for_pipeline` for a `ModelSplitter` (None for layer lists);
+`init` lets it split the model at the microbatch shape (pieces become the pipeline's
+layers) and initialise the model's own variables; `pack` / `unpack` translate between
+the model's variable tree and per-piece dicts; `value_and_grad` is wrapped so that tied
+copies of a parameter receive the summed gradient and state copies follow their writer
+(`sync_packed`), and a loss_fn that cannot take the model's outputs fails with one line.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.splitter.model import SplitModel
+
+
+class _PendingPiece(nn.Module):
+    """Stands for the pieces until `Pipeline.init` has shown the splitter an input."""
+
+    @nn.compact
+    def __call__(self, x):
+        raise ValueError("Pipeline: a model is split at the first pipe.init(rng, sample_inputs) "
+                         "(or pass sample_inputs= to Pipeline); call init first.")
+
+
+def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
+    """(ModelSplitter or None, the layers the pipeline starts with)."""
+    if isinstance(layers, SplitModel):
+        s = ModelSplitter(layers.model, call_kwargs, layers)
+        return s, s.split.layers
+    if not isinstance(layers, (nn.Module, nnx.Module)):
+        if call_kwargs:
+            raise ValueError("Pipeline: call_kwargs= is for a single model, not a list of layers.")
+        return None, layers
+    stages = int(dict(getattr(mesh, "shape", {})).get("pipe", 1))
+    s = ModelSplitter(layers, call_kwargs, None)
+    if sample_inputs is not None:
+        s.split_at(_microbatch(sample_inputs, mesh), stages)
+        return s, s.split.layers
+    return s, [_PendingPiece() for _ in range(max(1, stages))]
+
+
+def _microbatch(sample, mesh):
+    return jax.tree.map(lambda a: jnp.asarray(a)[:1], sample)
+
+
+class ModelSplitter:
+    def __init__(self, model, call_kwargs, split: SplitModel | None):
+        self.model, self.call_kwargs, self.split = model, dict(call_kwargs or {}), split
+        self._checked: set = set()
+
+    def split_at(self, sample, num_stages: int) -> None:
+        self.split = SplitModel(self.model, sample, call_kwargs=self.call_kwargs,
+                                min_pieces=num_stages)
+
+    def attach(self, pipe) -> None:
+        """Splits (once) at the pipeline's microbatch sample; pieces become pipe.layers."""
+        if self.split is not None:
+            return
+        from jaxhybrid.pipeline.stages import even_boundaries
+        self.split_at(pipe._sample, pipe.num_stages)
+        pipe.layers = list(self.split.layers)
+        pipe._set_layout(even_boundaries(len(pipe.layers), pipe.num_stages), pipe.remat)
+
+    def init_variables(self, rng, sample_inputs):
+        return self.split.init_variables(rng, sample_inputs)
+
+    def to_layer_vars(self, variables):
+        if isinstance(variables, (list, tuple)) and len(variables) == self.split.num_pieces:
+            return list(variables)   # already per piece
+        return self.split.to_layer_vars(variables)
+
+    def from_layer_vars(self, per_piece):
+        # Packed gradients hold the summed gradient in every copy (`sync_packed`), so the
+        # first copy is right for values and gradients alike.
+        return self.split.from_layer_vars(per_piece, grads=False)
+
+    # --- the training step --------------------------------------------------------
+    def wrap_value_and_grad(self, pipe, value_and_grad):
+        @functools.wraps(value_and_grad)
+        def wrapped(loss_fn, **kwargs):
+            step = value_and_grad(loss_fn, **kwargs)
+
+            def tied_step(variables, inputs, targets, rng=None):
+                self._check_loss(pipe, loss_fn, inputs, targets)
+                loss, grads, new = step(variables, inputs, targets, rng)
+                grads, new = sync_packed(pipe, self.split, grads, new)
+                return loss, grads, new
+
+            tied_step.lower = getattr(step, "lower", None)
+            return tied_step
+        return wrapped
+
+    def _check_loss(self, pipe, loss_fn, inputs, targets):
+        n = pipe.data * pipe.num_microbatches
+        mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            (np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.asarray(a).dtype), tree)
+        key = (loss_fn, str(mb(inputs)), str(mb(targets)))
+        if key in self._checked or any(np.shape(l)[0] % n for l in jax.tree.leaves(inputs)):
+            return   # the pipeline reports batch sizes itself
+        out = self.split.output_shape(mb(inputs))
+        try:
+            jax.eval_shape(loss_fn, out, mb(targets))
+        except Exception as e:  # noqa: BLE001 - any failure means the same fix
+            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
+            raise ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
+                             f"outputs {shapes} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
+                             f"them.") from e
+        self._checked.add(key)
+
+
+# --- keeping copies of a variable identical in packed buffers ------------------------
+def _locations(pipe, coll: str) -> dict:
+    """{(piece, name): (stage, buffer key, offset, shape)} of one collection."""
+    out = {}
+    for s, (a, b) in enumerate(pipe.ranges):
+        tree = [pipe._layer_vars[i].get(coll, {}) for i in range(a, b)]
+        lay = pipe.param_layouts[s][coll]
+        for idx, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+            out[(a + path[0].idx, path[1].key)] = (s, lay.keys[idx], lay.offsets[idx],
+                                                   lay.shapes[idx])
+    return out
+
+
+def _groups(pipe, split: SplitModel, coll: str) -> list:
+    """Per variable with several copies: [(key, location)], and the writer's piece."""
+    locs = _locations(pipe, coll)
+    by_var: dict = {}
+    for p, keys in enumerate(split.piece_keys):
+        for key in keys:
+            c, name = split.var_name(key)
+            if c == coll:
+                by_var.setdefault(key[0], []).append((key, locs[(p, name)], p))
+    groups = []
+    for j, copies in by_var.items():
+        whole = [c for c in copies if c[0][1] is None]
+        ranges = [c[0][1:] for c in copies if c[0][1] is not None]
+        if len(whole) > 1 or (whole and ranges) or len(ranges) != len(set(ranges)):
+            groups.append((j, copies, split._writer.get(j)))
+    return groups
+
+
+def _read(bufs, loc):
+    s, key, off, shape = loc
+    n = int(np.prod(shape))
+    return jax.lax.dynamic_slice_in_dim(bufs[key][s], off, n).reshape(shape)
+
+
+def _write(bufs, loc, value):
+    s, key, off, shape = loc
+    bufs[key] = bufs[key].at[s, off:off + int(np.prod(shape))].set(value.reshape(-1))
+
+
+def _sync(bufs, groups, is_params: bool):
+    bufs = dict(bufs)
+    for j, copies, writer in groups:
+        whole = [loc for key, loc, _ in copies if key[1] is None]
+        parts: dict = {}
+        for key, loc, _ in copies:
+            if key[1] is not None:
+                parts.setdefault(key[1:], []).append(loc)
+        if is_params:
+            total = sum((_read(bufs, l) for l in whole[1:]), _read(bufs, whole[0])) if whole else None
+            if parts:
+                sl = jnp.concatenate([sum((_read(bufs, l) for l in parts[r][1:]),
+                                          _read(bufs, parts[r][0])) for r in sorted(parts)], 0)
+                total = sl if total is None else total + sl
+        else:
+            src = [loc for key, loc, p in copies if p == writer and key[1] is None]
+            if not src:
+                continue
+            total = _read(bufs, src[0])
+        for key, loc, _ in copies:
+            _write(bufs, loc, total if key[1] is None else total[key[1]:key[2]])
+    return bufs
+
+
+def sync_packed(pipe, split: SplitModel, grads: dict, new_vars: dict):
+    """Sums tied parameters' gradients into every copy; copies state from its writer."""
+    cache = pipe._cache.setdefault("splitter_sync", {})
+    for c in ["params", *pipe.state_collections]:
+        if c not in cache:
+            groups = _groups(pipe, split, c)
+            cache[c] = groups and jax.jit(functools.partial(
+                _sync, groups=groups, is_params=c == "params"))
+    if cache["params"]:
+        grads = cache["params"](grads)
+    for c in pipe.state_collections:
+        if cache[c]:
+            new_vars = {**new_vars, c: cache[c](new_vars[c])}
+    return grads, new_vars

@@ -1,0 +1,223 @@
+"""Models as pure functions of their variable leaves: linen and NNX adapters, and the trace.
+
+An adapter flattens the model's own variable tree (what `model.init` returns for linen,
+`nnx.state(model)` for NNX) into leaves, says each leaf's collection ("params",
+"batch_stats", ...) and name, and gives
+    forward(var_leaves, x, key, train) -> (y, new values of the state leaves)
+with the model called as `model(x, **call_kwargs)`, `train=` set when `__call__` takes it
+(linen) or the NNX attributes `deterministic` / `use_running_average` set (NNX). The
+"dropout" rng of a linen model is `key` (raw uint32 key data). NNX rng streams (RngKey /
+RngCount variables) are not trained: while split they are re-seeded per microbatch,
+stream j (in state order) drawing from fold_in(key, j) with its count at 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.layers import init_layer
+
+PyTree = Any
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return "/".join(p for p in parts if p != "value")
+
+
+@dataclasses.dataclass
+class Adapter:
+    model: Any
+    call_kwargs: dict
+    kind: str                 # "linen" | "nnx"
+    treedef: Any = None       # of the model's variable tree (array leaves)
+    colls: list = None        # collection per leaf
+    names: list = None        # name per leaf (path inside its collection)
+    avals: list = None        # ShapeDtypeStruct per leaf
+    program_vars: list = None  # leaf indices that are traced inputs (not NNX rng state)
+    rng_leaves: list = None   # NNX: (leaf index, "key" | "count")
+    takes_train: bool = False
+    graphdef: Any = None
+    paths: list = None        # tree path per leaf
+
+    # --- the variable tree ----------------------------------------------------------
+    def leaves(self, tree, what: str = "variables") -> list:
+        leaves, treedef = jax.tree.flatten(_unbox(tree, self.kind))
+        if treedef != self.treedef:
+            want = "the tree model.init returns" if self.kind == "linen" else "nnx.state(model)"
+            raise ValueError(f"Splitter: {what} do not have the model's variable structure; "
+                             f"pass {want} (got {treedef}, want {self.treedef}).")
+        return leaves
+
+    def tree(self, leaves: list, keep: set | None = None):
+        """The model's variable tree from its leaves; keep: only those collections."""
+        if keep is None or set(self.colls) <= keep:
+            return jax.tree.unflatten(self.treedef, leaves)
+        if self.kind == "nnx":
+            full = jax.tree.unflatten(self.treedef, leaves)
+            return full.filter(*[_NNX_TYPES.get(c, c) for c in sorted(keep)])
+        out: dict = {}
+        for path, leaf, c in zip(self.paths, leaves, self.colls):
+            if c not in keep:
+                continue
+            d = out
+            for k in path[:-1]:
+                d = d.setdefault(k.key, {})
+            d[path[-1].key] = leaf
+        return out
+
+    def init_variables(self, rng, x):
+        if self.kind == "nnx":
+            return nnx.state(self.model)
+        with jax.threefry_partitionable(False):
+            variables, _ = jax.jit(functools.partial(init_layer, self.model, train=False))(
+                rng, jax.tree.map(lambda a: jnp.asarray(a)[:1], x))
+        return variables
+
+    # --- the forward ----------------------------------------------------------------
+    def forward(self, var_leaves: list, x, key, train: bool):
+        leaves = [None] * len(self.avals)
+        for i, v in zip(self.program_vars, var_leaves):
+            leaves[i] = v
+        if self.kind == "linen":
+            return self._linen_forward(leaves, x, key, train)
+        return self._nnx_forward(leaves, x, key, train)
+
+    def _linen_forward(self, leaves, x, key, train):
+        variables = jax.tree.unflatten(self.treedef, leaves)
+        kw = dict(self.call_kwargs)
+        if self.takes_train:
+            kw["train"] = train
+        state_colls = sorted(set(self.colls) - {"params"})
+        rngs = {"dropout": key} if key is not None else {}
+        if train and state_colls:
+            y, new = self.model.apply(variables, x, rngs=rngs, mutable=state_colls, **kw)
+            by_path = {_path_name(p): v for p, v in
+                       jax.tree_util.tree_flatten_with_path(nn.meta.unbox(dict(new)))[0]}
+            state = [by_path.get(_path_name(p), leaves[i])
+                     for i, p in enumerate(self.paths) if self.colls[i] != "params"]
+            return y, state
+        y = self.model.apply(variables, x, rngs=rngs, **kw)
+        return y, [leaves[i] for i in range(len(leaves)) if self.colls[i] != "params"]
+
+    def _nnx_forward(self, leaves, x, key, train):
+        for i, what in self.rng_leaves:
+            a = self.avals[i]
+            if what == "key":
+                k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), i)
+                leaves[i] = jnp.broadcast_to(jax.random.wrap_key_data(k), a.shape)
+            else:
+                leaves[i] = jnp.zeros(a.shape, a.dtype)
+        state = jax.tree.unflatten(self.treedef, leaves)
+        m = nnx.merge(self.graphdef, state)
+        m.set_attributes(deterministic=not train, use_running_average=not train,
+                         raise_if_not_found=False)
+        y = m(x, **self.call_kwargs)
+        new = jax.tree.leaves(nnx.state(m))
+        return y, [new[i] for i in range(len(leaves)) if self.colls[i] != "params"]
+
+
+_NNX_TYPES = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
+
+
+def _unbox(tree, kind):
+    return nn.meta.unbox(tree) if kind == "linen" else tree
+
+
+def _nnx_collection(var) -> str:
+    if isinstance(var, nnx.Param):
+        return "params"
+    if isinstance(var, nnx.BatchStat):
+        return "batch_stats"
+    return type(var).__name__.lower()
+
+
+def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
+    call_kwargs = dict(call_kwargs or {})
+    if isinstance(model, nn.Module):
+        a = Adapter(model, call_kwargs, "linen")
+        try:
+            a.takes_train = "train" in inspect.signature(type(model).__call__).parameters
+        except (TypeError, ValueError):
+            a.takes_train = False
+        if a.takes_train and "train" in call_kwargs:
+            raise ValueError("Splitter: do not pass train in call_kwargs; the pipeline sets it "
+                             "(True in value_and_grad, False in apply).")
+        abstract = _trace_errors(lambda: jax.eval_shape(
+            functools.partial(init_layer, model, train=False), jax.random.PRNGKey(0),
+            jax.tree.map(lambda l: jax.ShapeDtypeStruct((1, *np.shape(l)[1:]), l.dtype),
+                         sample_x)))[0]
+        flat, a.treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        a.paths = [tuple(p) for p, _ in flat]
+        a.colls = [_path_name(p[:1]) for p, _ in flat]
+        a.names = [_path_name(p[1:]) for p, _ in flat]
+        a.avals = [jax.ShapeDtypeStruct(l.shape, l.dtype) for _, l in flat]
+        a.program_vars, a.rng_leaves = list(range(len(flat))), []
+        return a
+    if isinstance(model, nnx.Module):
+        a = Adapter(model, call_kwargs, "nnx")
+        a.graphdef, state = nnx.split(model)
+        _, a.treedef = jax.tree.flatten(state)
+        flat = jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+        a.colls = [_nnx_collection(v) for _, v in flat]
+        a.names = [_path_name(p) for p, _ in flat]
+        values = jax.tree.leaves(state)
+        if len(values) != len(flat):
+            raise ValueError("Splitter: an NNX variable holds a pytree, not one array; "
+                             "only array variables are supported.")
+        a.avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in values]
+        a.rng_leaves = [(i, "key" if isinstance(v, nnx.RngKey) else "count")
+                        for i, (_, v) in enumerate(flat) if isinstance(v, (nnx.RngKey, nnx.RngCount))]
+        rng_idx = {i for i, _ in a.rng_leaves}
+        a.program_vars = [i for i in range(len(flat)) if i not in rng_idx]
+        a.paths = [tuple(p) for p, _ in flat]
+        return a
+    raise ValueError(f"Splitter: expected a flax.linen.Module or flax.nnx.Module, got "
+                     f"{type(model).__name__}.")
+
+
+def _trace_errors(thunk):
+    """Runs a trace of the model; names the fix for the usual ways a trace fails."""
+    try:
+        return thunk()
+    except (jax.errors.TracerBoolConversionError, jax.errors.ConcretizationTypeError,
+            jax.errors.TracerIntegerConversionError) as e:
+        raise ValueError(f"Splitter: the model uses Python control flow on a traced value "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]}); use jnp.where / "
+                         f"jax.lax.cond, or pass the deciding value as a constant in "
+                         f"call_kwargs.") from e
+    except flax.errors.InvalidRngError as e:
+        raise ValueError(f"Splitter: the model draws from an rng stream other than "
+                         f"'dropout' ({str(e).splitlines()[0]}); the pipeline gives "
+                         f"'dropout' only: rename the stream.") from e
+
+
+def trace(adapter: Adapter, x_abstract, train: bool):
+    """make_jaxpr of forward(var leaves, x, key) -> (y, state); returns (closed jaxpr,
+    y treedef)."""
+    var_avals = [adapter.avals[i] for i in adapter.program_vars]
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    box = {}
+
+    def f(var_leaves, x, key):
+        y, state = adapter.forward(var_leaves, x, key, train)
+        leaves, box["y_tree"] = jax.tree.flatten(y)
+        return leaves, state
+
+    closed = _trace_errors(lambda: jax.make_jaxpr(f)(var_avals, x_abstract, key))
+    return closed, box["y_tree"]
