@@ -185,10 +185,10 @@ def local_value_and_grad(program, params, states, x, t, rng, idle=None, carry=No
     return loss, grads, new_states, carry
 
 
-def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2):
-    """shard_map of `body(stacked..., batch..., rng)` over the data axis: per-device
-    stacked trees and batches split over it, the rng key replicated."""
-    in_specs = (P(DATA),) * (n_stacked + n_batches) + (P(),)
+def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2, n_keys: int = 1):
+    """shard_map of `body(stacked..., batch..., keys...)` over the data axis: per-device
+    stacked trees and batches split over it, rng keys replicated."""
+    in_specs = (P(DATA),) * (n_stacked + n_batches) + (P(),) * n_keys
     return jax.shard_map(body, mesh=program.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
