@@ -50,3 +50,10 @@ def register_model(name: str, build) -> None:
 
 def registered_models() -> tuple[str, ...]:
     return tuple(_BUILDERS)
+
+
+# Burst-parallelism workloads (DeepPool's): registered beside the built-in four.
+from jaxhybrid.models import vgg, wrn  # noqa: E402
+
+register_model("vgg16", vgg.build)
+register_model("wrn", wrn.build)
