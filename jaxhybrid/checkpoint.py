@@ -1,4 +1,4 @@
-"""Checkpoints that do not depend on the device layout.
+"""Checkpoints that do not depend on the device layout or the number of processes.
 
 The pipeline keeps parameters packed per stage ({buffer key: [pipe, length]} buffers whose
 contents depend on the stage boundaries), and the optimizer runs on those buffers, so
@@ -6,29 +6,37 @@ its moment estimates are packed the same way. A checkpoint stores neither: it st
 for every layer, that layer's flax variables and its share of every parameter-shaped
 optimizer slot (Adam's mu and nu, SGD's momentum trace), plus the optimizer's other
 leaves (step counts). Restoring packs them again for whatever mesh and boundaries the
-new run uses, so a run saved on (data=2, pipe=4) continues on (4, 2) or (1, 1) with the
-very same numbers.
+new run uses, so a run saved on (data=2, pipe=4) continues on (4, 2) or (1, 1), with one
+process or several, with the very same numbers.
 
-On disk (orbax CheckpointManager; a step directory appears only once fully written):
+On disk (orbax CheckpointManager; a step directory appears only once every process has
+finished writing it):
 
     <directory>/<step>/state   {"layers": [{"variables": {...}, "opt": [slot, ...]}, ...],
                                 "opt_rest": [non-parameter optimizer leaves]}
     <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout
 
-The format is single-process: every array is gathered to the host before saving.
+Nothing is gathered to a host. One jitted program slices every layer's leaves out of the
+packed buffers and spreads each leaf over all devices of the mesh (split along its first
+axis that the device count divides; small leaves that no axis fits stay replicated), so
+every process writes only the shards on its own devices (orbax/tensorstore, one file set
+per process), about 1/processes of the bytes. Restoring reads each process's shards of
+the per-layer leaves for the new mesh and packs them with the inverse program.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.mesh import PIPE
+from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import packing
 
 PyTree = Any
@@ -50,20 +58,53 @@ def _param_slot_test(params: dict):
     return is_slot
 
 
-def unpack_like_params(pipe, buffers: dict) -> list:
-    """Packed buffers laid out like variables["params"] -> one numpy tree per layer."""
-    host = jax.device_get(buffers)
+def leaf_sharding(mesh, shape) -> NamedSharding:
+    """Where a per-layer leaf lives in the portable format: split over every device of
+    `mesh` along its first axis that the device count divides, else replicated."""
+    n = mesh.size
+    for axis, size in enumerate(shape):
+        if size % n == 0:
+            return NamedSharding(mesh, P(*([None] * axis), (DATA, PIPE)))
+    return NamedSharding(mesh, P())
+
+
+def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
+    """(Traced) packed {key: [S, length]} buffers -> one tree per layer."""
     out = [None] * len(pipe.layers)
     for s, (a, b) in enumerate(pipe.ranges):
-        row = {k: np.asarray(v[s]) for k, v in host.items()}
-        for k, tree in enumerate(packing.unpack_numpy(pipe.param_layouts[s]["params"], row)):
+        trees = packing.unpack(pipe.param_layouts[s][collection],
+                               {k: v[s] for k, v in buffers.items()})
+        for k, tree in enumerate(trees):
             out[a + k] = tree
     return out
 
 
+def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
+    """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
+    rows = [packing.pack(pipe.param_layouts[s][collection],
+                         [per_layer[i] for i in range(a, b)], lengths)
+            for s, (a, b) in enumerate(pipe.ranges)]
+    return {k: jnp.stack([r[k] for r in rows]) for k in lengths}
+
+
+def _spread(pipe, fn):
+    """jit(fn) whose outputs are laid out by `leaf_sharding` on pipe.mesh."""
+    def run(*args):
+        shapes = jax.eval_shape(fn, *args)
+        shardings = jax.tree.map(lambda a: leaf_sharding(pipe.mesh, a.shape), shapes)
+        return jax.jit(fn, out_shardings=shardings)(*args)
+    return run
+
+
+def unpack_like_params(pipe, buffers: dict) -> list:
+    """Packed buffers laid out like variables["params"] -> one tree per layer (global
+    arrays spread over the mesh; on one process np.asarray reads them)."""
+    return _spread(pipe, functools.partial(_unpack_collection, pipe, "params"))(buffers)
+
+
 def pack_like_params(pipe, per_layer: list) -> dict:
-    """One tree per layer, shaped like that layer's params -> packed buffers like
-    variables["params"], sharded over "pipe"."""
+    """One numpy tree per layer, shaped like that layer's params (the same on every
+    process) -> packed buffers like variables["params"], sharded over "pipe"."""
     rows = [packing.pack_numpy(pipe.param_layouts[s]["params"],
                                [per_layer[i] for i in range(a, b)], pipe.param_len)
             for s, (a, b) in enumerate(pipe.ranges)]
@@ -81,38 +122,74 @@ def opt_state_shardings(pipe, opt_state: PyTree, params: dict) -> PyTree:
 
 
 # --- train state <-> portable -------------------------------------------------------
-def to_portable(pipe, state: dict) -> dict:
-    """{"variables": packed, "opt_state": optax state on packed params} -> per-layer
-    numpy tree (the checkpoint format above)."""
+def _collections(pipe) -> list[str]:
+    return ["params", *pipe.state_collections]
+
+
+def _portable(pipe, state: dict) -> dict:
+    """(Traced) train state -> the per-layer checkpoint tree."""
     variables = state["variables"]
-    layers = [{"variables": v, "opt": []} for v in pipe.unpack(variables)]
+    layers = [{"variables": {}, "opt": []} for _ in pipe.layers]
+    for c in _collections(pipe):
+        for layer, tree in zip(layers, _unpack_collection(pipe, c, variables[c])):
+            if jax.tree.leaves(tree):            # layers without this collection: none
+                layer["variables"][c] = tree
     is_slot = _param_slot_test(variables["params"])
     rest = []
     for node in jax.tree.leaves(state["opt_state"], is_leaf=is_slot):
         if is_slot(node):
-            for layer, tree in zip(layers, unpack_like_params(pipe, node)):
+            for layer, tree in zip(layers, _unpack_collection(pipe, "params", node)):
                 layer["opt"].append(tree)
         else:
-            rest.append(np.asarray(jax.device_get(node)))
+            rest.append(node)
     return {"layers": layers, "opt_rest": rest}
+
+
+def _from_portable(pipe, template: dict, portable: dict) -> dict:
+    """(Traced) inverse of `_portable` for this pipeline's layout; `template` gives the
+    optimizer state's structure (its values are not read)."""
+    layers = portable["layers"]
+    variables = {}
+    for c in _collections(pipe):
+        lengths = pipe.param_len if c == "params" else pipe.state_len[c]
+        per_layer = [layer["variables"].get(c, {}) for layer in layers]
+        variables[c] = _pack_collection(pipe, c, per_layer, lengths)
+    is_slot = _param_slot_test(template["variables"]["params"])
+    nodes, treedef = jax.tree.flatten(template["opt_state"], is_leaf=is_slot)
+    slot, rest, out = 0, iter(portable["opt_rest"]), []
+    for node in nodes:
+        if is_slot(node):
+            out.append(_pack_collection(pipe, "params", [layer["opt"][slot] for layer in layers],
+                                        pipe.param_len))
+            slot += 1
+        else:
+            out.append(jnp.asarray(next(rest), dtype=node.dtype))
+    return {"variables": variables, "opt_state": jax.tree.unflatten(treedef, out)}
+
+
+def to_portable(pipe, state: dict) -> dict:
+    """{"variables": packed, "opt_state": optax state on packed params} -> the per-layer
+    checkpoint tree (global arrays spread over the mesh, see `leaf_sharding`)."""
+    return _spread(pipe, functools.partial(_portable, pipe))(state)
+
+
+def abstract_portable(pipe, state: dict) -> dict:
+    """`to_portable`'s result as jax.ShapeDtypeStructs with shardings (restore targets)."""
+    shapes = jax.eval_shape(functools.partial(_portable, pipe), state)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=leaf_sharding(pipe.mesh, a.shape)), shapes)
 
 
 def from_portable(pipe, portable: dict, template: dict) -> dict:
     """Inverse of `to_portable` for this pipeline's layout; `template` is a train state
-    of this pipeline (its optimizer state gives the structure and shardings)."""
-    variables = pipe.pack([layer["variables"] for layer in portable["layers"]])
-    is_slot = _param_slot_test(template["variables"]["params"])
-    nodes, treedef = jax.tree.flatten(template["opt_state"], is_leaf=is_slot)
-    replicated = NamedSharding(pipe.mesh, P())
-    slot, rest, out = 0, iter(portable["opt_rest"]), []
-    for node in nodes:
-        if is_slot(node):
-            out.append(pack_like_params(pipe, [layer["opt"][slot] for layer in portable["layers"]]))
-            slot += 1
-        else:
-            out.append(jax.device_put(np.asarray(next(rest), dtype=np.asarray(node).dtype),
-                                      replicated))
-    return {"variables": variables, "opt_state": jax.tree.unflatten(treedef, out)}
+    of this pipeline (structure and shardings of the result)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), template)
+    params = abstract["variables"]["params"]
+    stage = NamedSharding(pipe.mesh, P(PIPE))
+    shardings = {"variables": jax.tree.map(lambda _: stage, abstract["variables"]),
+                 "opt_state": opt_state_shardings(pipe, abstract["opt_state"], params)}
+    return jax.jit(functools.partial(_from_portable, pipe, abstract),
+                   out_shardings=shardings)(portable)
 
 
 def _shapes(tree: PyTree) -> list:
@@ -136,8 +213,9 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, pipe, state: dict, meta: dict) -> None:
-        """Saves `state` (gathered to the host, per layer) and JSON-able `meta` as step
-        `step`. Asynchronous: the write finishes in the background (see `wait`)."""
+        """Saves `state` (per layer; each process writes the shards on its devices) and
+        JSON-able `meta` as step `step`. Every process calls this. Asynchronous: the
+        write finishes in the background (see `wait`)."""
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step),
                 "layout": {"data": pipe.data, "pipe": pipe.num_stages,
@@ -151,7 +229,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise ValueError(f"checkpoint: no checkpoint in {self.directory}.")
-        target = to_portable(pipe, template)
+        target = abstract_portable(pipe, template)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))

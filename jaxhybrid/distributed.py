@@ -1,0 +1,117 @@
+"""Multi-process start-up: when and how `jax.distributed.initialize` is called.
+
+A run is multi-process when it is told so, by flags or environment variables
+(`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), or when it was
+started by a cluster manager that JAX detects by itself (SLURM's `srun`, Open MPI's
+`mpirun`): then `jax.distributed.initialize()` reads the process count and rank from
+the manager. Otherwise the run stays single-process and nothing is initialised.
+
+Failure behaviour: every process sends heartbeats to the coordinator (process 0); when
+one stops (crash, kill, lost node) the coordinator tells the others, which then abort
+with "The following tasks are unhealthy (stopped sending heartbeats): <process ids>"
+after at most `heartbeat_timeout` seconds, instead of waiting forever in a collective.
+
+CPU runs (several processes on one machine, see scripts/launch_local.py) use gloo
+collectives; the number of CPU devices per process comes from `JAX_NUM_CPU_DEVICES` or
+`XLA_FLAGS=--xla_force_host_platform_device_count=K`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+ENV_VARS = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
+            "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
+# Cluster managers whose environment jax.distributed.initialize() reads by itself:
+# (name, variables that must all be set, variable holding the number of processes).
+CLUSTERS = (("SLURM", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID"), "SLURM_NTASKS"),
+            ("Open MPI", ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_RANK"),
+             "OMPI_COMM_WORLD_SIZE"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How to start: explicit values (None: from the environment or the cluster)."""
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout: int = 300     # seconds to wait for every process to join
+    heartbeat_timeout: int = 100          # seconds of silence before a process counts as dead
+
+
+def detected_cluster(environ=os.environ) -> str | None:
+    """The cluster manager that started this process with more than one process, if any."""
+    for name, required, count in CLUSTERS:
+        if all(v in environ for v in required) and int(environ.get(count, "1")) > 1:
+            return name
+    return None
+
+
+def resolve(settings: Settings, environ=os.environ) -> Settings | None:
+    """`settings` completed from the environment variables; None for a single-process
+    run. A partial explicit set-up (an address without a count, ...) -> ValueError
+    naming what is missing."""
+    values = {k: getattr(settings, k) if getattr(settings, k) is not None else environ.get(v)
+              for k, v in ENV_VARS.items()}
+    given = {k for k, v in values.items() if v not in (None, "")}
+    if not given:
+        return settings if detected_cluster(environ) else None
+    for key in ("num_processes", "process_id"):
+        if key in given:
+            try:
+                values[key] = int(values[key])
+            except ValueError:
+                raise ValueError(f"distributed: {key}={values[key]!r} (flag --{key} or "
+                                 f"{ENV_VARS[key]}) must be an int.") from None
+    if detected_cluster(environ) is None and given != set(ENV_VARS):
+        missing = [f"--{k} ({ENV_VARS[k]})" for k in ENV_VARS if k not in given]
+        raise ValueError(f"distributed: set {', '.join(missing)} too: outside a cluster manager "
+                         f"JAX detects (SLURM, Open MPI), a multi-process run needs the "
+                         f"coordinator address, the number of processes and this process's id.")
+    n, pid = values["num_processes"], values["process_id"]
+    if n is not None and (n < 1 or (pid is not None and not 0 <= pid < n)):
+        raise ValueError(f"distributed: process_id={pid} must be in [0, num_processes={n}).")
+    if settings.initialization_timeout < 1 or settings.heartbeat_timeout < 1:
+        raise ValueError("distributed: initialization_timeout and heartbeat_timeout must be "
+                         ">= 1 second.")
+    return dataclasses.replace(settings, **{k: values[k] for k in given})
+
+
+def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
+    """Starts jax.distributed when the run is multi-process (see the module docstring);
+    True if it did. Call before anything touches jax devices."""
+    resolved = resolve(settings, environ)
+    if resolved is None:
+        return False
+    import jax
+    # CPU collectives across processes (ignored by GPU and TPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=resolved.coordinator_address,
+        num_processes=resolved.num_processes, process_id=resolved.process_id,
+        initialization_timeout=resolved.initialization_timeout,
+        heartbeat_timeout_seconds=resolved.heartbeat_timeout)
+    return True
+
+
+def is_main_process() -> bool:
+    """Process 0: the one that writes metrics, TensorBoard events and logs."""
+    import jax
+    return jax.process_index() == 0
+
+
+def broadcast_json(value):
+    """Process 0's JSON-able `value`, on every process (a no-op with one process)."""
+    import jax
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(raw.size)))
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, raw.size)] = raw[:size]
+    out = np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)
+    return json.loads(out.tobytes().decode())
