@@ -64,8 +64,7 @@ def _to_wire(v, aval):
 
 
 def _from_wire(v, aval):
-    return jax.random.wrap_key_data(v, impl=jax.random.key_impl(
-        jax.ShapeDtypeStruct(aval.shape, aval.dtype))) if _is_key(aval) else v
+    return jax.random.wrap_key_data(v, impl=aval.dtype._impl) if _is_key(aval) else v
 
 
 class SplitModel:

@@ -119,14 +119,15 @@ class ModelSplitter:
 
 # --- keeping copies of a variable identical in packed buffers ------------------------
 def _locations(pipe, coll: str) -> dict:
-    """{(piece, name): (stage, buffer key, offset, shape)} of one collection."""
+    """{(piece, name): (row of the packed buffers, buffer key, offset, shape)} of one
+    collection: row d holds the pieces `pipe.device_layers[d]`, laid out as `pack` does."""
     out = {}
-    for s, (a, b) in enumerate(pipe.ranges):
-        tree = [pipe._layer_vars[i].get(coll, {}) for i in range(a, b)]
-        lay = pipe.param_layouts[s][coll]
+    for d, layers in enumerate(pipe.device_layers):
+        tree = [pipe._layer_vars[i].get(coll, {}) for i in layers]
+        lay = pipe.param_layouts[d][coll]
         for idx, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
-            out[(a + path[0].idx, path[1].key)] = (s, lay.keys[idx], lay.offsets[idx],
-                                                   lay.shapes[idx])
+            out[(layers[path[0].idx], path[1].key)] = (d, lay.keys[idx], lay.offsets[idx],
+                                                       lay.shapes[idx])
     return out
 
 

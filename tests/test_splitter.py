@@ -1,0 +1,324 @@
+"""A single Flax model (linen or NNX) split into pipeline pieces equals the unsplit model:
+loss, gradients (tied parameters summed) and new batch statistics, on several meshes and
+schedules; variables round-trip in the model's own tree; errors say what to fix."""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.splitter import SplitModel
+
+RNG = jax.random.key(3)
+
+
+# --- models -------------------------------------------------------------------------
+class ResBlock(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Conv(self.features, (3, 3))(x)
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(h)
+        h = nn.relu(h)
+        h = nn.Conv(self.features, (3, 3))(h)
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(h)
+        return nn.relu(x + h)
+
+
+class ResNet(nn.Module):
+    """A CNN with BatchNorm and residual blocks."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        for _ in range(3):
+            x = ResBlock(4)(x, train)
+        return nn.Dense(5)(x.mean(axis=(1, 2)))
+
+
+class DecoderBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.LayerNorm()(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        h = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.1,
+                                            deterministic=not train)(h, h, mask=mask)
+        x = x + nn.Dropout(0.1, deterministic=not train)(h)
+        h = nn.Dense(32)(nn.LayerNorm()(x))
+        return x + nn.Dense(x.shape[-1])(nn.gelu(h))
+
+
+class TiedLM(nn.Module):
+    """A small decoder-only transformer whose output projection is its input embedding."""
+    vocab: int = 13
+
+    @nn.compact
+    def __call__(self, ids, train: bool = False):
+        embed = nn.Embed(self.vocab, 16)
+        x = embed(ids) + self.param("pos", nn.initializers.normal(0.02), (ids.shape[1], 16))
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+        for _ in range(3):
+            x = DecoderBlock()(x, train)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+class SkipNet(nn.Module):
+    """A skip connection crossing two forced cuts (jp.stage_boundary)."""
+    @nn.compact
+    def __call__(self, x):
+        x0 = nn.Dense(12)(x)
+        h = jp.stage_boundary(jnp.tanh(nn.Dense(12)(x0)))
+        h = jp.stage_boundary(jnp.tanh(nn.Dense(12)(h)))
+        h = jnp.tanh(nn.Dense(12)(h))
+        return nn.Dense(3)(h + x0)
+
+
+class ScanBody(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + jnp.tanh(nn.Dense(x.shape[-1])(x)), None
+
+
+class ScanNet(nn.Module):
+    """Layers as an nn.scan stack of a jitted block (MaxText style)."""
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        stack = nn.scan(nn.jit(ScanBody), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=6)
+        x, _ = stack()(x, None)
+        return nn.Dense(3)(x)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(5, 12, rngs=rngs)
+        self.bn = nnx.BatchNorm(12, momentum=0.8, rngs=rngs)
+        self.mid = nnx.Linear(12, 12, rngs=rngs)
+        self.out = nnx.Linear(12, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.bn(self.inp(x)))
+        return self.out(h + jnp.tanh(self.mid(h)))
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def xent(logits, labels):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
+
+def _images(b, seed=0):
+    r = np.random.RandomState(seed)
+    return (r.randn(b, 6, 6, 3).astype(np.float32), r.randn(b, 5).astype(np.float32))
+
+
+def _tokens(b, seed=0):
+    r = np.random.RandomState(seed)
+    ids = r.randint(0, 13, size=(b, 6)).astype(np.int32)
+    return ids, np.roll(ids, -1, axis=1)
+
+
+def _vectors(b, seed=0):
+    r = np.random.RandomState(seed)
+    return r.randn(b, 5).astype(np.float32), r.randn(b, 3).astype(np.float32)
+
+
+CASES = {   # name: (model factory, batch maker, loss, uses dropout)
+    "resnet": (ResNet, _images, mse, False),
+    "tied_lm": (TiedLM, _tokens, xent, True),
+    "skip": (SkipNet, _vectors, mse, False),
+    "scan": (ScanNet, _vectors, mse, False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _native(name):
+    make, batch, _, _ = CASES[name]
+    model = make()
+    x = batch(2)[0]
+    v = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    if "batch_stats" in v:   # non-trivial statistics, so that their update is checked
+        v = {**v, "batch_stats": jax.tree.map(lambda a: a + 0.3, v["batch_stats"])}
+    return model, v
+
+
+def _close(got, want, what):
+    g, w = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for a, b in zip(g, w):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                   atol=1e-5 * max(1.0, float(np.abs(b).max())), err_msg=what)
+
+
+def _run(name, data, pipe_size, schedule, M, max_pieces=32, planner=False):
+    model, native = _native(name)
+    _, batch, loss_fn, dropout = CASES[name]
+    x, t = batch(data * M * 2, seed=data + M)
+    rng = RNG if dropout else None
+    mesh = jh.make_mesh(data=data, pipe=pipe_size)
+    if planner:
+        pipe = jp.Pipeline(model, mesh=mesh, num_microbatches=M, schedule=schedule)
+        pipe.init(jax.random.key(0), x)
+    else:
+        split = SplitModel(model, batch(2)[0], min_pieces=pipe_size, max_pieces=max_pieces)
+        pipe = jp.Pipeline(split, mesh=mesh, num_microbatches=M, schedule=schedule, remat="none",
+                           boundaries=jp.even_boundaries(split.num_pieces, pipe_size))
+    variables = pipe.pack(native)
+    loss, grads, new = pipe.value_and_grad(loss_fn)(variables, x, t, rng)
+    ref_loss, ref_grads, ref_new = jp.reference_value_and_grad(
+        [model], [native], loss_fn, x, t, data=data, num_microbatches=M, rng=rng)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(pipe.unpack({**variables, "params": grads})["params"], ref_grads[0]["params"], "grads")
+    if "batch_stats" in native:
+        _close(pipe.unpack(new)["batch_stats"], ref_new[0]["batch_stats"], "batch_stats")
+    return pipe, variables
+
+
+@pytest.mark.parametrize("name,data,pipe_size,schedule,M", [
+    ("resnet", 2, 4, "1f1b", 3), ("resnet", 1, 2, "gpipe", 2),
+    ("tied_lm", 2, 2, "1f1b", 2), ("tied_lm", 1, 4, "gpipe", 4),
+    ("skip", 1, 4, "1f1b", 2), ("skip", 4, 2, "gpipe", 1),
+    ("scan", 2, 4, "1f1b", 2),
+])
+def test_split_matches_unsplit_model(name, data, pipe_size, schedule, M):
+    _run(name, data, pipe_size, schedule, M)
+
+
+def test_planner_chooses_cuts_for_a_module():
+    pipe, variables = _run("resnet", 2, 2, "1f1b", 2, planner=True)
+    # apply equals the model's own apply on the unpacked variables.
+    model, _ = _native("resnet")
+    x = _images(8, seed=5)[0]
+    want = model.apply(pipe.unpack(variables), x)
+    np.testing.assert_allclose(np.asarray(pipe.apply(variables, x)), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embedding_is_held_by_two_pieces_and_stays_identical():
+    pipe, variables = _run("tied_lm", 1, 2, "1f1b", 2)
+    shared = pipe.splitter.split.shared_variables()
+    assert "Embed_0/embedding" in shared and len(shared["Embed_0/embedding"]) >= 2
+    _, native = _native("tied_lm")
+    x, t = _tokens(4)
+    _, grads, _ = pipe.value_and_grad(xent)(variables, x, t, RNG)
+    # Every packed copy holds the summed gradient: an optimizer keeps copies identical.
+    copies = [v["params"]["Embed_0/embedding"] for v in _per_piece(pipe, {**variables, "params": grads})
+              if "Embed_0/embedding" in v.get("params", {})]
+    assert len(copies) >= 2
+    for c in copies[1:]:
+        np.testing.assert_array_equal(c, copies[0])
+
+
+def _per_piece(pipe, variables):
+    """Per-piece dicts of packed variables (bypassing the model-tree view)."""
+    splitter, pipe.splitter = pipe.splitter, None
+    try:
+        return pipe.unpack(variables)
+    finally:
+        pipe.splitter = splitter
+
+
+def test_skip_connection_crosses_two_forced_cuts():
+    model, native = _native("skip")
+    split = SplitModel(model, _vectors(2)[0], max_pieces=1)   # only the forced cuts
+    assert split.num_pieces == 3
+    _, segs = split._segments(jax.ShapeDtypeStruct((2, 5), jnp.float32), True)
+    carried = set(segs[0].live_out) & set(segs[1].live_out)
+    assert carried, "the skip value x0 travels through piece 1"
+
+
+def test_scan_is_split_between_pieces():
+    model, native = _native("scan")
+    split = SplitModel(model, _vectors(2)[0], max_pieces=8)
+    names = [split.var_name(k)[1] for keys in split.piece_keys for k in keys]
+    sliced = [n for n in names if "[" in n]
+    assert len({n.split("[")[1] for n in sliced}) >= 2, names
+    back = split.from_layer_vars(split.to_layer_vars(native))
+    _close(back, native, "round trip")
+
+
+def _nnx_reference(model, x, t, data, M):
+    graphdef, state = nnx.split(model)
+    params, rest = state.filter(nnx.Param), state.filter(lambda p, v: not isinstance(v, nnx.Param))
+    n = data * M
+    split = lambda a: a.reshape(data, M, a.shape[0] // n, *a.shape[1:])
+
+    def shard(params, rest, xs, ts):
+        def mb(rest, xt):
+            m = nnx.merge(graphdef, params, rest)
+            m.set_attributes(use_running_average=False, deterministic=False,
+                             raise_if_not_found=False)
+            y = m(xt[0])
+            return nnx.state(m).filter(lambda p, v: not isinstance(v, nnx.Param)), mse(y, xt[1])
+        final, losses = jax.lax.scan(mb, rest, (xs, ts))
+        return jnp.mean(losses), final
+
+    def total(params):
+        losses, finals = jax.vmap(shard, in_axes=(None, None, 0, 0))(params, rest, split(x), split(t))
+        return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, 0), finals)
+
+    (loss, new), grads = jax.value_and_grad(total, has_aux=True)(params)
+    return loss, grads, new
+
+
+@pytest.mark.parametrize("data,pipe_size,schedule,M", [(2, 2, "1f1b", 2), (1, 4, "gpipe", 2)])
+def test_nnx_model_matches(data, pipe_size, schedule, M):
+    model = NnxNet(nnx.Rngs(0))
+    x, t = _vectors(data * M * 2, seed=1)
+    split = SplitModel(model, x[:2], min_pieces=pipe_size)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=data, pipe=pipe_size), num_microbatches=M,
+                       schedule=schedule, remat="none",
+                       boundaries=jp.even_boundaries(split.num_pieces, pipe_size))
+    state = nnx.state(model)
+    variables = pipe.pack(state)
+    back = pipe.unpack(variables)
+    assert isinstance(back, nnx.State)
+    _close(jax.tree.leaves(back), jax.tree.leaves(state), "round trip")
+    loss, grads, new = pipe.value_and_grad(mse)(variables, x, t)
+    ref_loss, ref_grads, ref_new = _nnx_reference(model, x, t, data, M)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(jax.tree.leaves(pipe.unpack({**variables, "params": grads})),
+           jax.tree.leaves(ref_grads), "grads")
+    _close(jax.tree.leaves(pipe.unpack(new).filter(nnx.BatchStat)),
+           jax.tree.leaves(ref_new.filter(nnx.BatchStat)), "batch_stats")
+
+
+# --- errors -------------------------------------------------------------------------
+class Branchy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        if x.sum() > 0:
+            return nn.Dense(2)(x)
+        return x
+
+
+def test_errors():
+    mesh = jh.make_mesh(data=2, pipe=4)
+    x, t = _vectors(16)
+    with pytest.raises(ValueError, match=r"only 1 possible cut points \(2 pieces\) but 4 stages"):
+        SplitModel(nn.Dense(3), x[:2], min_pieces=4)
+    with pytest.raises(ValueError, match="Python control flow on a traced value"):
+        SplitModel(Branchy(), x[:2])
+    model, native = _native("tied_lm")
+    ids, labels = _tokens(8)
+    split = SplitModel(model, ids[:2], min_pieces=2)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       remat="none", boundaries=jp.even_boundaries(split.num_pieces, 2))
+    variables = pipe.pack(native)
+    with pytest.raises(ValueError, match="pass rng="):
+        pipe.value_and_grad(xent)(variables, ids, labels)
+    with pytest.raises(ValueError, match=r"loss_fn\(outputs, targets\) cannot take"):
+        pipe.value_and_grad(lambda y, t: y["logits"].sum())(variables, ids, labels, RNG)
+    with pytest.raises(ValueError, match="variable structure"):
+        pipe.pack({"params": native["params"]["Embed_0"]})
+    with pytest.raises(ValueError, match="call pipe.init"):
+        jp.Pipeline(model, mesh=mesh).pack(native)
