@@ -18,6 +18,7 @@ from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat, choose_remat_
                                   recompute_time, spmd_memory, stage_memory)
 from jaxhybrid.plan.topology import (Topology, fmt_bytes, parse_bandwidth, parse_bytes,
                                      parse_time)
+from jaxhybrid.plan.burst import BurstPlan, plan_burst
 
 __all__ = [
     "LayerCost", "profile", "cost_arrays", "layer_times", "device_peak", "roofline_time",
@@ -26,4 +27,5 @@ __all__ = [
     "choose_remat_spmd", "spmd_memory",
     "Plan", "make_plan", "plan_from_config", "Topology", "parse_bandwidth", "parse_bytes",
     "parse_time", "fmt_bytes",
+    "BurstPlan", "plan_burst",
 ]

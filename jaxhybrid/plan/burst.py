@@ -1,0 +1,483 @@
+"""Burst parallelism planner (DeepPool, PAPERS.md §2): per-layer device counts under a
+fixed global batch, and what a background job gains in the time left idle.
+
+Pure numpy: nothing here runs JAX or imports `jaxhybrid.pipeline`.
+
+Layer l runs on g_l in {1, 2, 4, ..., G} devices, each with B / g_l examples. The dynamic
+program over layers in order (DeepPool's searchBestSplits) is
+
+    t[l][g] = min over g' of t[l-1][g'] + transfer(l, g' -> g) + time(l, g) + sync(l, g)
+
+with `time(l, g)` the layer's forward + backward at batch B / g on one device,
+`transfer` the batch moved at a width change (forward activations and backward
+gradients: 2x, point to point over the topology, each device's messages one after the
+other), `sync` the all-reduce of the layer's gradient over its g devices (a ring over a
+given topology; on a preset cluster the hierarchical model of `plan.hybrid`), and the
+amplification limit: a layer may run on g devices only if time(l, g) g / time(l, 1) <=
+`amplification_limit` (default 2.0, as in the paper), unless it is fast (time(l, 1) <
+`fast_layer_time`, 300 us).
+
+Small batches: per-device time falls slower than 1/g because small kernels leave the
+device part idle. `SmallBatchModel` gives, per layer kind (conv, dense, other), the work
+w_half (output elements per device) at which a kernel reaches half its large-batch
+throughput: compute time x (1 + w_half / w). `fit_small_batch` fits it to times measured
+at several batches (t(b) = a + c b per layer -> w_half = a / c x outputs per example);
+GPU presets are assumptions from occupancy arithmetic (docs/burst.md).
+
+Inception blocks: `branches={l: [[branch LayerCost per batch...]], ...}` lets layer l
+run its parallel branches side by side on disjoint device groups (branch k on g_k
+devices, sum g_k <= G), if the block's amplification stays within the limit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.hardware import Hardware, get_hardware
+from jaxhybrid.plan.topology import Topology
+
+KINDS = ("conv", "dense", "other")
+DEFAULT_FAST_LAYER_TIME = 300e-6
+
+
+def layer_kind(c: LayerCost) -> str:
+    """conv: weights reused across positions (FLOPs per example >> 2 x params); dense:
+    each weight used once per example; other: no parameters (pooling, reshapes)."""
+    if c.param_count == 0:
+        return "other"
+    reuse = c.fwd_flops / max(c.batch_size, 1) / (2.0 * c.param_count)
+    return "conv" if reuse > 1.5 else "dense"
+
+
+def outputs_per_example(c: LayerCost) -> float:
+    return max(c.out_bytes / max(c.batch_size, 1) / 4.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallBatchModel:
+    """Per kind: output elements per device at which throughput is half its peak."""
+    half_work: dict
+    source: str = ""
+
+    def factor(self, kind: str, work: float) -> float:
+        """Time multiplier of a kernel producing `work` output elements."""
+        return 1.0 + self.half_work.get(kind, 0.0) / max(work, 1.0)
+
+
+NO_SMALL_BATCH_LOSS = SmallBatchModel({k: 0.0 for k in KINDS}, "none")
+# Assumptions (docs/burst.md): a GEMM/implicit-GEMM kernel needs ~2 waves of
+# 128x128-output tiles on every SM to run near peak (V100: 80 SMs -> ~2.6M outputs, half
+# at ~0.65M; H100: 132 SMs, 128x256 tiles -> half at ~2M); a Dense layer at small batch
+# is weight-bandwidth bound anyway (small w_half); elementwise/pooling kernels need
+# ~one wave of threads (SMs x 2048).
+SMALL_BATCH_PRESETS = {
+    "v100_dgx1": SmallBatchModel({"conv": 0.65e6, "dense": 16e3, "other": 0.16e6},
+                                 "assumed: V100 occupancy (80 SMs)"),
+    "a100_dgx": SmallBatchModel({"conv": 1.1e6, "dense": 27e3, "other": 0.22e6},
+                                "assumed: A100 occupancy (108 SMs)"),
+    "h100_dgx": SmallBatchModel({"conv": 2.0e6, "dense": 34e3, "other": 0.27e6},
+                                "assumed: H100 occupancy (132 SMs)"),
+}
+
+
+def fit_small_batch(samples: Sequence[tuple[str, float, Sequence[int], Sequence[float]]],
+                    source: str = "measured") -> SmallBatchModel:
+    """samples: (kind, outputs per example, batches, times) per layer. Fits
+    t(b) = a + c b by least squares per layer; w_half = (a / c) x outputs per example;
+    per kind the median over its layers (0 if none, or if time scales linearly)."""
+    per_kind: dict = {k: [] for k in KINDS}
+    for kind, outs, batches, times in samples:
+        b, t = np.asarray(batches, float), np.asarray(times, float)
+        if b.size < 2 or np.ptp(b) == 0:
+            raise ValueError("fit_small_batch: each layer needs times at >= 2 batch sizes.")
+        c, a = np.polyfit(b, t, 1)
+        if c <= 0:       # time does not grow with batch: all overhead
+            per_kind[kind].append(b.max() * outs * 100.0)
+        else:
+            per_kind[kind].append(max(a, 0.0) / c * outs)
+    return SmallBatchModel({k: float(np.median(v)) if v else 0.0 for k, v in per_kind.items()},
+                           source)
+
+
+# --- per-layer times at every width ------------------------------------------------------
+def _cost_fn(costs) -> Callable[[int], Sequence[LayerCost]]:
+    from jaxhybrid.plan.hybrid import cost_fn     # scales parameter traffic correctly
+    return cost_fn(costs)
+
+
+def widths_for(num_devices: int, batch_size: int) -> list[int]:
+    """Candidate widths: powers of two <= num_devices that divide the batch."""
+    out, g = [], 1
+    while g <= num_devices and batch_size % g == 0:
+        out.append(g)
+        g *= 2
+    return out
+
+
+def layer_times_at(costs_at_m: Sequence[LayerCost], hw: Hardware, model: SmallBatchModel,
+                   base: Sequence[LayerCost] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per layer on one device at the costs' batch. On
+    measured hardware the costs' times are used; if they were scaled from `base` (other
+    batch) the small-batch factor ratio is applied."""
+    f, b = [], []
+    for i, c in enumerate(costs_at_m):
+        kind, outs = layer_kind(c), outputs_per_example(c)
+        fac = model.factor(kind, c.batch_size * outs)
+        if hw.uses_measured_times:
+            r = 1.0
+            if base is not None and base[i].batch_size != c.batch_size:
+                r = fac / model.factor(kind, base[i].batch_size * outs)
+            f.append(c.fwd_time * r)
+            b.append(c.bwd_time * r)
+            continue
+        for flops, nbytes, out in ((c.fwd_flops, c.fwd_bytes, f), (c.bwd_flops, c.bwd_bytes, b)):
+            compute = flops / (hw.peak_flops * hw.efficiency) * fac
+            out.append(max(compute, nbytes * hw.bytes_scale / hw.mem_bandwidth)
+                       + hw.layer_overhead)
+    return np.array(f), np.array(b)
+
+
+def cluster_topology(hw: Hardware, num_devices: int) -> Topology:
+    """Nodes of `devices_per_node`: inside a node links at the all-reduce bus bandwidth,
+    between nodes each device gets its share of the node's network cards."""
+    dpn = min(hw.devices_per_node, num_devices)
+    nodes = math.ceil(num_devices / dpn)
+    t = Topology.nodes(nodes, dpn, hw.allreduce_bandwidth, hw.inter_bandwidth / dpn,
+                       hw.intra_latency, hw.inter_latency)
+    if t.n == num_devices:
+        return t
+    return Topology(t.bandwidth[:num_devices, :num_devices],
+                    t.latency[:num_devices, :num_devices], t.description)
+
+
+def _relayout_terms(topo: Topology, g_from: int, g_to: int, batch: int):
+    """Per device (latency seconds, seconds per byte-per-example) of moving the batch
+    from g_from to g_to consecutive-row layouts; time = max over devices."""
+    G = topo.n
+    lat, per = np.zeros(G), np.zeros(G)
+    if g_from == g_to:
+        return lat, per
+    send_lat, send_per = np.zeros(G), np.zeros(G)
+    rows_from, rows_to = batch // g_from, batch // g_to
+    for i in range(g_from):
+        lo, hi = i * rows_from, (i + 1) * rows_from
+        for j in range(lo // rows_to, (hi - 1) // rows_to + 1):
+            if j == i:
+                continue
+            rows = min(hi, (j + 1) * rows_to) - max(lo, j * rows_to)
+            cost_lat, cost_per = topo.latency[i, j], rows / topo.bandwidth[i, j]
+            send_lat[i] += cost_lat
+            send_per[i] += cost_per
+            lat[j] += cost_lat
+            per[j] += cost_per
+    return np.maximum(lat, send_lat), np.maximum(per, send_per)
+
+
+@dataclasses.dataclass
+class _Tables:
+    widths: list                 # candidate g
+    fwd: np.ndarray              # [L, K] seconds
+    bwd: np.ndarray
+    sync: np.ndarray             # [L, K]
+    in_bytes: np.ndarray         # [L] bytes per example entering layer l
+    relayout: dict               # (k_from, k_to) -> (lat [G], per [G])
+    fast: np.ndarray             # [L] bool: exempt from the amplification limit
+    names: list
+
+    @property
+    def time(self):
+        return self.fwd + self.bwd
+
+    def transfer(self, kf: int, kt: int, l: int) -> float:
+        if kf == kt:
+            return 0.0
+        lat, per = self.relayout[(kf, kt)]
+        return 2.0 * float(np.max(lat + per * self.in_bytes[l]))
+
+    def allowed(self, l: int, k: int, limit: float) -> bool:
+        t = self.time[l]
+        return bool(k == 0 or self.fast[l] or t[k] * self.widths[k] / t[0] <= limit + 1e-12)
+
+
+def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1",
+                 topology: Topology | None = None, small_batch: SmallBatchModel | None = None,
+                 fast_layer_time: float = DEFAULT_FAST_LAYER_TIME) -> _Tables:
+    hw = get_hardware(hardware)
+    model = small_batch or SMALL_BATCH_PRESETS.get(hw.name, NO_SMALL_BATCH_LOSS)
+    topo = topology or cluster_topology(hw, num_devices)
+    if topo.n < num_devices:
+        raise ValueError(f"burst: topology has {topo.n} devices, the plan needs {num_devices}.")
+    widths = widths_for(num_devices, batch_size)
+    fn = _cost_fn(costs)
+    base = None if callable(costs) else list(costs)
+    fb = [layer_times_at(fn(batch_size // g), hw, model, base) for g in widths]
+    fwd, bwd = np.stack([x[0] for x in fb], 1), np.stack([x[1] for x in fb], 1)
+    full = fn(batch_size)
+    grad_bytes = [c.param_count * hw.grad_bytes for c in full]
+    if topology is not None:    # a given network: ring all-reduce over its first g devices
+        sync = np.array([[topo.allreduce_time(range(g), gb) for g in widths] for gb in grad_bytes])
+    else:                       # a preset cluster: hierarchical (NCCL-style), as projections
+        from jaxhybrid.plan.hybrid import allreduce_time
+        sync = np.array([[allreduce_time(hw, g, 1, [gb]) for g in widths] for gb in grad_bytes])
+    in_bytes = np.array([c.in_bytes / c.batch_size * hw.bytes_scale for c in full])
+    relayout = {(a, b): _relayout_terms(topo, widths[a], widths[b], batch_size)
+                for a in range(len(widths)) for b in range(len(widths)) if a != b}
+    fast = (fwd[:, 0] + bwd[:, 0]) < fast_layer_time   # at g = 1, as DeepPool
+    return _Tables(widths, fwd, bwd, sync, in_bytes, relayout, fast, [c.name for c in full])
+
+
+# --- the plan ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BurstPlan:
+    """Per-layer widths and their predicted times (seconds, per iteration)."""
+    widths: list
+    layer_names: list
+    fwd_time: list           # per layer on each of its devices
+    bwd_time: list
+    sync_time: list          # gradient all-reduce over its devices
+    transfer_time: list      # batch moved into layer l (forward + backward)
+    num_devices: int
+    batch_size: int
+    dp_time: float           # data parallelism over the widest width, same batch
+    dp_width: int
+    amplification_limit: float
+    amplification: list      # g x time(l, g) / time(l, 1)
+
+    @property
+    def iteration_time(self) -> float:
+        return float(sum(self.fwd_time) + sum(self.bwd_time) + sum(self.sync_time)
+                     + sum(self.transfer_time))
+
+    def busy_time(self, forward_only: bool = False) -> np.ndarray:
+        """Seconds each device works per iteration (layers it runs, their all-reduce,
+        transfers it takes part in); forward_only: its forward compute only."""
+        busy = np.zeros(self.num_devices)
+        prev = self.widths[0]
+        for g, f, b, s, x in zip(self.widths, self.fwd_time, self.bwd_time, self.sync_time,
+                                 self.transfer_time):
+            busy[:g] += f if forward_only else f + b + s
+            if not forward_only:
+                busy[:max(g, prev)] += x
+            prev = g
+        return busy
+
+    def idle_time(self, forward_only: bool = False) -> np.ndarray:
+        """Seconds each device is idle per iteration; forward_only: only while the
+        foreground runs forward (what `jaxhybrid.burst.multiplex` fills)."""
+        if forward_only:
+            return float(sum(self.fwd_time)) - self.busy_time(True)
+        return self.iteration_time - self.busy_time()
+
+    @property
+    def device_time(self) -> float:
+        return float(self.busy_time().sum())
+
+    @property
+    def dp_device_time(self) -> float:
+        return self.dp_time * self.dp_width
+
+    def summary(self) -> str:
+        ms = 1e3
+        lines = [f"burst plan: {self.num_devices} devices, global batch {self.batch_size}, "
+                 f"amplification limit {self.amplification_limit:g}",
+                 f"{'layer':<22} {'g':>5} {'fwd+bwd ms':>11} {'sync ms':>8} {'xfer ms':>8} "
+                 f"{'ampl':>6}"]
+        for name, g, f, b, s, x, a in zip(self.layer_names, self.widths, self.fwd_time,
+                                          self.bwd_time, self.sync_time, self.transfer_time,
+                                          self.amplification):
+            lines.append(f"{name[:22]:<22} {g:>5} {ms * (f + b):>11.3f} {ms * s:>8.3f} "
+                         f"{ms * x:>8.3f} {a:>6.2f}")
+        lines.append(f"iteration {ms * self.iteration_time:.3f} ms (data parallel over "
+                     f"{self.dp_width}: {ms * self.dp_time:.3f} ms); device-time "
+                     f"{ms * self.device_time:.3f} ms vs DP {ms * self.dp_device_time:.3f} ms "
+                     f"({self.device_time / max(self.dp_device_time, 1e-30):.2f}x); idle "
+                     f"{self.idle_time().sum() / (self.num_devices * self.iteration_time):.1%}"
+                     f" of device-time")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(iteration_time=self.iteration_time, device_time=self.device_time,
+                 dp_device_time=self.dp_device_time)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def plot(self, path: str, title: str | None = None) -> None:
+        """PNG: devices (y) x time (x); forward left to right, then backward; each layer a
+        bar over its g devices, transfers and all-reduces grey, idle time white."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+        fig, ax = plt.subplots(figsize=(10, 4))
+        cmap = plt.get_cmap("tab20")
+        t, ms, L = 0.0, 1e3, len(self.widths)
+        prev = self.widths[0]
+        order = [(l, "f") for l in range(L)] + [(l, "b") for l in reversed(range(L))]
+        for l, phase in order:
+            g = self.widths[l]
+            x = self.transfer_time[l] / 2
+            if x > 0:
+                ax.add_patch(Rectangle((t * ms, 0), x * ms, max(g, prev), color="0.6"))
+                t += x
+            dur = self.fwd_time[l] if phase == "f" else self.bwd_time[l]
+            ax.add_patch(Rectangle((t * ms, 0), dur * ms, g, color=cmap(l % 20),
+                                   alpha=1.0 if phase == "f" else 0.6))
+            t += dur
+            if phase == "b" and self.sync_time[l] > 0:
+                ax.add_patch(Rectangle((t * ms, 0), self.sync_time[l] * ms, g, color="0.3"))
+                t += self.sync_time[l]
+            prev = g
+        ax.set_xlim(0, t * ms)
+        ax.set_ylim(0, self.num_devices)
+        ax.set_xlabel("time (ms): forward, then backward; grey = transfers / all-reduce")
+        ax.set_ylabel("device")
+        ax.set_title(title or f"burst plan: {self.num_devices} devices, batch {self.batch_size}, "
+                     f"iteration {ms * self.iteration_time:.3g} ms, idle "
+                     f"{self.idle_time().sum() / (self.num_devices * t):.0%}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def _evaluate(tab: _Tables, ks: Sequence[int], in_k: int) -> float:
+    t, prev = 0.0, in_k
+    for l, k in enumerate(ks):
+        t += tab.transfer(prev, k, l) + tab.time[l, k] + tab.sync[l, k]
+        prev = k
+    return t
+
+
+def _make_plan(tab: _Tables, ks, in_k, num_devices, batch_size, limit) -> BurstPlan:
+    L = len(ks)
+    prev, xfer = in_k, []
+    for l, k in enumerate(ks):
+        xfer.append(tab.transfer(prev, k, l))
+        prev = k
+    K = len(tab.widths) - 1
+    dp = float(tab.time[:, K].sum() + tab.sync[:, K].sum())
+    return BurstPlan(widths=[tab.widths[k] for k in ks], layer_names=list(tab.names),
+                     fwd_time=[float(tab.fwd[l, ks[l]]) for l in range(L)],
+                     bwd_time=[float(tab.bwd[l, ks[l]]) for l in range(L)],
+                     sync_time=[float(tab.sync[l, ks[l]]) for l in range(L)],
+                     transfer_time=xfer, num_devices=num_devices, batch_size=batch_size,
+                     dp_time=dp, dp_width=tab.widths[K], amplification_limit=limit,
+                     amplification=[float(tab.time[l, k] * tab.widths[k] / tab.time[l, 0])
+                                    for l, k in enumerate(ks)])
+
+
+def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1",
+               topology: Topology | None = None, amplification_limit: float = 2.0,
+               fast_layer_time: float = DEFAULT_FAST_LAYER_TIME,
+               small_batch: SmallBatchModel | None = None,
+               tables: _Tables | None = None) -> BurstPlan:
+    """The fastest per-layer widths under the amplification limit (exact DP).
+
+    costs: LayerCost list (any batch; scaled) or a function batch -> LayerCost list
+    (e.g. profiled at every per-device batch, or analytic). The batch starts spread
+    over the widest width (data loaded on every device)."""
+    if amplification_limit < 1:
+        raise ValueError(f"plan_burst: amplification_limit={amplification_limit} must be >= 1 "
+                         f"(1 allows no layer more than one device's time).")
+    tab = tables or build_tables(costs, num_devices=num_devices, batch_size=batch_size,
+                                 hardware=hardware, topology=topology, small_batch=small_batch,
+                                 fast_layer_time=fast_layer_time)
+    L, K = tab.time.shape
+    in_k = K - 1
+    best = np.full((L, K), np.inf)
+    back = np.zeros((L, K), int)
+    for k in range(K):
+        if tab.allowed(0, k, amplification_limit):
+            best[0, k] = tab.transfer(in_k, k, 0) + tab.time[0, k] + tab.sync[0, k]
+    for l in range(1, L):
+        for k in range(K):
+            if not tab.allowed(l, k, amplification_limit):
+                continue
+            cand = [best[l - 1, j] + tab.transfer(j, k, l) for j in range(K)]
+            j = int(np.argmin(cand))
+            best[l, k] = cand[j] + tab.time[l, k] + tab.sync[l, k]
+            back[l, k] = j
+    ks = [int(np.argmin(best[-1]))]
+    for l in range(L - 1, 0, -1):
+        ks.append(int(back[l, ks[-1]]))
+    ks.reverse()
+    return _make_plan(tab, ks, in_k, num_devices, batch_size, amplification_limit)
+
+
+def brute_force(tab: _Tables, amplification_limit: float = 2.0) -> tuple[float, list]:
+    """(best iteration time, widths) over every feasible assignment (small cases: tests)."""
+    L, K = tab.time.shape
+    best, arg = np.inf, None
+    for ks in itertools.product(range(K), repeat=L):
+        if all(tab.allowed(l, k, amplification_limit) for l, k in enumerate(ks)):
+            t = _evaluate(tab, ks, K - 1)
+            if t < best:
+                best, arg = t, [tab.widths[k] for k in ks]
+    return float(best), arg
+
+
+# --- multiplexing: cluster throughput ---------------------------------------------------------
+# Fraction of a device's idle time the background job turns into its own standalone
+# throughput (slices, context switches, interference). An assumption: DeepPool reports
+# the background reaching most of its standalone speed in the idle time; the CPU
+# measurement of our executor is in docs/burst.md.
+MUX_EFFICIENCY = 0.8
+
+
+def single_device_step_time(costs, batch_size: int, hardware="v100_dgx1",
+                            small_batch: SmallBatchModel | None = None) -> float:
+    """Forward + backward of the whole model on one device at `batch_size` (a
+    background job instance: no all-reduce)."""
+    hw = get_hardware(hardware)
+    model = small_batch or SMALL_BATCH_PRESETS.get(hw.name, NO_SMALL_BATCH_LOSS)
+    base = None if callable(costs) else list(costs)
+    f, b = layer_times_at(_cost_fn(costs)(batch_size), hw, model, base)
+    return float(f.sum() + b.sum())
+
+
+@dataclasses.dataclass
+class Throughput:
+    """Examples per second of a G-device cluster: the foreground (burst plan), the
+    background in its idle time, and single-job data parallelism at the same batch."""
+    num_devices: int
+    batch_size: int
+    foreground: float
+    background: float
+    data_parallel: float
+    idle_fraction: float
+
+    @property
+    def total(self) -> float:
+        return self.foreground + self.background
+
+    @property
+    def ratio(self) -> float:
+        """Total cluster throughput over single-job data parallelism."""
+        return self.total / self.data_parallel
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total, "ratio": self.ratio}
+
+
+def throughput(plan: BurstPlan, *, bg_step_time: float, bg_batch: int,
+               efficiency: float = MUX_EFFICIENCY, forward_only: bool = False,
+               fg_slowdown: float = 1.0) -> Throughput:
+    """Cluster throughput with a background job (one instance per device, `bg_batch`
+    examples per step of `bg_step_time` s alone) in the plan's idle time.
+    forward_only: only the foreground's forward idle time is used (what
+    `jaxhybrid.burst.multiplex` fills today); fg_slowdown: foreground iteration time
+    multiplier under multiplexing."""
+    T = plan.iteration_time * fg_slowdown
+    idle = plan.idle_time(forward_only)
+    bg = float(idle.sum()) * efficiency / T * bg_batch / bg_step_time
+    return Throughput(plan.num_devices, plan.batch_size, plan.batch_size / T, bg,
+                      plan.batch_size / plan.dp_time,
+                      float(plan.idle_time().sum() / (plan.num_devices * plan.iteration_time)))

@@ -1,0 +1,114 @@
+"""Burst parallelism + multiplexing projected onto GPU clusters (DeepPool, docs/burst.md).
+
+    python scripts/burst.py --model=vgg16,wrn,inception_v3 --devices=8,16,32,64,128,256,512,1024
+    python scripts/burst.py --model=inception_v3 --hardware=h100_dgx --json
+    python scripts/burst.py --model=vgg16 --devices=64 --plot=/tmp/vgg64.png   # devices x time
+
+For each model, cluster and size: the burst plan at the fixed global batch (per-layer
+widths under the amplification limit), foreground throughput, a background job (the same
+model, one instance of --bg_batch per device) in the idle device time, and single-job
+data parallelism at the same global batch. Costs: Inception-V3 full from the analytic
+`plan.reference_costs`, other models from `plan.profile` (XLA cost analysis at batch 1,
+cached under --cache_dir).
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("model", ["vgg16", "wrn", "inception_v3"], "models (jaxhybrid.models names)")
+flags.DEFINE_string("size", "full", "model size preset: tiny | small | full")
+flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"], "cluster sizes")
+flags.DEFINE_list("hardware", ["v100_dgx1", "h100_dgx"], "jaxhybrid.plan.hardware presets")
+flags.DEFINE_integer("batch", 1024, "global batch (fixed: strong scaling)")
+flags.DEFINE_integer("bg_batch", 32, "background job's batch per device instance")
+flags.DEFINE_float("amplification_limit", 2.0, "DeepPool's amplification limit")
+flags.DEFINE_float("fast_layer_time", 300e-6, "layers faster than this (s, at g=1) are exempt")
+flags.DEFINE_float("mux_efficiency", 0.8, "share of idle time the background turns into work")
+flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxhybrid"),
+                    "where profiled costs are cached")
+flags.DEFINE_bool("json", False, "print one JSON document instead of tables")
+flags.DEFINE_string("plot", None, "PNG path: devices x time of the plan (one model/cluster)")
+
+PAPER = "DeepPool (MLSys 2022): 2.2-2.4x total cluster throughput over single-job DP " \
+        "(arXiv v1), 1.2-2.3x (final)"
+
+
+def model_costs(name: str, size: str, cache_dir: str):
+    """LayerCost list (or batch -> list) of the model at `size`."""
+    from jaxhybrid.plan import LayerCost, reference_costs
+    if name == "inception_v3" and size == "full":
+        return reference_costs.inception_v3
+    path = os.path.join(cache_dir, f"burst_costs_{name}_{size}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return [LayerCost.from_dict(d) for d in json.load(f)]
+    from jaxhybrid import models
+    from jaxhybrid.plan import profile
+    spec = models.get_model(name, size)
+    costs = profile(spec.layers, spec.sample_batch(1)[0])
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([c.to_dict() for c in costs], f)
+    os.replace(tmp, path)          # never a half-written cache
+    return costs
+
+
+def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: float,
+            fast: float, efficiency: float):
+    from jaxhybrid.plan import burst
+    bg_step = burst.single_device_step_time(costs, bg_batch, hardware)
+    rows, plans = [], []
+    for G in devices:
+        p = burst.plan_burst(costs, num_devices=G, batch_size=batch, hardware=hardware,
+                             amplification_limit=limit, fast_layer_time=fast)
+        t = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency)
+        tf = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency,
+                              forward_only=True)
+        rows.append({"devices": G, "widths": p.widths, "iteration_ms": 1e3 * p.iteration_time,
+                     "dp_ms": 1e3 * p.dp_time, "device_time_vs_dp": p.device_time / p.dp_device_time,
+                     **{k: v for k, v in t.to_dict().items() if k not in ("num_devices", "batch_size")},
+                     "ratio_forward_idle_only": tf.ratio})
+        plans.append(p)
+    return rows, plans
+
+
+def main(argv):
+    del argv
+    devices = [int(d) for d in FLAGS.devices]
+    out = {"paper": PAPER, "batch": FLAGS.batch, "bg_batch": FLAGS.bg_batch,
+           "amplification_limit": FLAGS.amplification_limit,
+           "mux_efficiency": FLAGS.mux_efficiency, "results": []}
+    for name in FLAGS.model:
+        costs = model_costs(name, FLAGS.size, FLAGS.cache_dir)
+        for hw in FLAGS.hardware:
+            rows, plans = project(costs, hw, devices, FLAGS.batch, FLAGS.bg_batch,
+                                  FLAGS.amplification_limit, FLAGS.fast_layer_time,
+                                  FLAGS.mux_efficiency)
+            out["results"].append({"model": name, "size": FLAGS.size, "hardware": hw, "rows": rows})
+            if FLAGS.plot:
+                plans[-1].plot(FLAGS.plot, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
+    if FLAGS.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"global batch {FLAGS.batch}; background: same model, {FLAGS.bg_batch} per device; "
+          f"amplification limit {FLAGS.amplification_limit:g}; mux efficiency "
+          f"{FLAGS.mux_efficiency:g}\n{PAPER}")
+    for r in out["results"]:
+        print(f"\n{r['model']} ({r['size']}) on {r['hardware']}")
+        print(f"{'G':>5} {'iter ms':>8} {'DP ms':>8} {'fg ex/s':>9} {'bg ex/s':>9} {'DP ex/s':>9} "
+              f"{'idle':>5} {'total/DP':>8} {'fwd-idle':>8}  widths")
+        for x in r["rows"]:
+            print(f"{x['devices']:>5} {x['iteration_ms']:>8.2f} {x['dp_ms']:>8.2f} "
+                  f"{x['foreground']:>9.0f} {x['background']:>9.0f} {x['data_parallel']:>9.0f} "
+                  f"{x['idle_fraction']:>5.0%} {x['ratio']:>7.2f}x {x['ratio_forward_idle_only']:>7.2f}x"
+                  f"  {','.join(map(str, x['widths']))}")
+
+
+if __name__ == "__main__":
+    app.run(main)
