@@ -1,228 +1,570 @@
-"""Pipeline schedules as data: per-tick, per-stage task tables (pure numpy).
+"""Pipeline schedules as typed task data (pure numpy; shared by `pipeline/` and `plan/`).
 
-The runtime executes a table tick by tick in lock step. In one tick every stage may run
-one forward slot and then one backward slot (either may be idle); after the tick,
-activations move one stage down and gradients one stage up (`ppermute`). So a
-microbatch's forward at stage s must come in a later tick than at stage s-1, and its
-backward at stage s in a later tick than at stage s+1; the last stage may run the
-forward and the backward of a microbatch in the same tick.
+A schedule is a set of tasks (tick, device, kind, stage, microbatch) plus a stage -> device
+map. Kinds (`TaskType`):
+  F  forward of one stage on one microbatch (stashes the residuals of its vjp);
+  B  backward: the full backward, or — when the schedule splits it — only the input
+     gradient (the critical path);
+  W  the weight-gradient half of a split backward (deferrable; reuses the forward's
+     residuals and B's intermediate cotangents, never recomputes the forward);
+  U  apply an optimizer update to one stage's parameters (after its last backward).
+`stage` counts model stages: with `virtual_stages=v` a pipeline of S devices has S*v
+stages and device d runs stages d, d+S, d+2S, ... (interleaved), so activations wrap
+from the last device to the first.
 
-Tables:
-  gpipe : all forwards, then all backwards. In-flight microbatches (stashed residuals)
-          per stage: M.
-  1f1b  : one-forward-one-backward. Stage s runs F(m) at tick m+s and B(m) at tick
-          m+2(S-1)-s, so a steady-state tick does one forward and one backward on every
-          stage (no tick is held up by a lone backward elsewhere, as happens when F and B
-          take alternate ticks in lock step). In flight per stage: 2(S-1-s)+1 <= 2S-1,
-          independent of M.
-Both have bubble (S-1)/(M+S-1) with any forward/backward cost ratio.
+The runtime executes the tasks in lock step: in one tick every device runs at most one
+task of each kind, in the order F, B, W, U, then activations and gradients move between
+devices (`ppermute`). Dependencies (checked by `Schedule.validate`):
+  F(k, m) after F(k-1, m) in an earlier tick;
+  B(k, m) after B(k+1, m) in an earlier tick, or on the last stage after F(k, m)
+          (the same tick is fine: F runs first);
+  W(k, m) after B(k, m) (same tick fine);   U(k) after every B / W of stage k.
+So a tick lasts as long as its busiest device; `tick_times` / `bubble_fraction` /
+`plot` use that, and so does the planner's step time.
 
-This module is shared by `jaxhybrid.pipeline` (which runs tables) and `jaxhybrid.plan`
-(which predicts step times from them); it imports neither.
+Builders (registered in `SCHEDULES`, built by `make_schedule(name, num_stages,
+num_microbatches, **options)`, where `num_stages` is the pipeline depth in devices):
+  gpipe        all forwards, then all backwards; M microbatches in flight.
+  1f1b         one-forward-one-backward; stage s starts backwards after 2(S-1-s)+1
+               forwards, so in lock step a steady tick runs one F and one B on every
+               device; in flight <= 2S-1, independent of M.
+  interleaved  Megatron's interleaved 1F1B (`virtual_stages=v`, default 2): forwards
+               in groups of S microbatches per chunk, 1F1B steady state; the warm-up
+               per device is the smallest that does not stall the lock step.
+  zb-h1        zero bubble (Qi et al. 2024): backward split into B and W, one task per
+               tick; B first, then F, and W fills what would be bubble; in flight
+               (F done, W not) capped at 1f1b's peak 2S-1 -> 1F1B's activation memory.
+               Bubble (S-1)/(3M+S-1) with F = B = W.
+  zbv          zero-bubble V-shape (Qi et al.): 2 stages per device, d and 2S-1-d;
+               half-size stages halve the fill; in flight <= 2S half-stages.
+(ZB-H2's extra warm-up cannot shorten a lock-step table: the last device cannot start
+before tick S-1, which already bounds zb-h1; so it is not offered.)
+Each is a device-order policy placed on ticks by one greedy placer (`place_tasks`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import enum
+import functools
+from typing import Callable, Sequence
 
 import numpy as np
 
 IDLE = -1
 
 
+class TaskType(enum.IntEnum):
+    F = 0
+    B = 1
+    W = 2
+    U = 3
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Task:
+    tick: int
+    device: int
+    kind: TaskType
+    stage: int
+    microbatch: int = IDLE     # IDLE for U tasks
+
+    def __str__(self) -> str:
+        m = "" if self.kind == TaskType.U else str(self.microbatch)
+        return f"{self.kind.name}{m}" + (f"s{self.stage}" if self.stage >= 0 else "")
+
+
+def _broadcast(cost, n: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(cost, float), (n,)).copy()
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A task table. `fwd[t, s]` / `bwd[t, s]`: microbatch run forward / backward by stage
-    s in tick t, or -1 when that slot is idle."""
+    """Tasks and the stage -> device map. `num_devices` = pipeline depth S;
+    `num_stages` = S * virtual_stages; `split_backward`: B is the input-gradient half and
+    W tasks carry the weight gradient."""
     name: str
-    num_stages: int
+    num_devices: int
     num_microbatches: int
-    fwd: np.ndarray
-    bwd: np.ndarray
+    stage_device: tuple
+    tasks: tuple
+    split_backward: bool = False
+    forward_only: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_device)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages // self.num_devices
 
     @property
     def num_ticks(self) -> int:
-        return int(self.fwd.shape[0])
+        return 1 + max(t.tick for t in self.tasks)
 
-    # --- derived quantities --------------------------------------------------------
-    def tick_times(self, fwd_cost: Sequence[float] | float = 1.0,
-                   bwd_cost: Sequence[float] | float = 2.0) -> np.ndarray:
-        """Duration of each lock-step tick: the slowest stage's work in that tick."""
-        f = np.broadcast_to(np.asarray(fwd_cost, float), (self.num_stages,))
-        b = np.broadcast_to(np.asarray(bwd_cost, float), (self.num_stages,))
-        work = (self.fwd >= 0) * f[None, :] + (self.bwd >= 0) * b[None, :]
-        return work.max(axis=1)
+    @functools.cached_property
+    def _grids(self) -> dict:
+        T, D = self.num_ticks, self.num_devices
+        grids = {k: (np.full((T, D), IDLE), np.full((T, D), IDLE)) for k in TaskType}
+        for t in self.tasks:
+            st, mb = grids[t.kind]
+            st[t.tick, t.device], mb[t.tick, t.device] = t.stage, t.microbatch
+        return grids
 
-    def bubble_fraction(self, fwd_cost: Sequence[float] | float = 1.0,
-                        bwd_cost: Sequence[float] | float = 2.0) -> float:
-        """Fraction of device time spent idle when the table runs in lock step with the
-        given per-stage forward / backward costs (per microbatch)."""
-        f = np.broadcast_to(np.asarray(fwd_cost, float), (self.num_stages,))
-        b = np.broadcast_to(np.asarray(bwd_cost, float), (self.num_stages,))
-        busy = self.num_microbatches * (f + b).sum()
-        total = self.tick_times(f, b).sum() * self.num_stages
-        return float(1.0 - busy / total)
+    def grid(self, kind: TaskType) -> tuple[np.ndarray, np.ndarray]:
+        """([ticks, devices] stage, [ticks, devices] microbatch) of `kind`'s tasks, IDLE
+        where a device runs no such task."""
+        return self._grids[TaskType(kind)]
 
-    def in_flight(self) -> np.ndarray:
-        """Per stage, the most microbatches whose forward ran and backward has not
-        (= residual stash slots the stage needs)."""
-        out = np.zeros(self.num_stages, int)
-        for s in range(self.num_stages):
-            live = 0
-            for t in range(self.num_ticks):
-                live += self.fwd[t, s] >= 0
-                out[s] = max(out[s], live)
-                live -= self.bwd[t, s] >= 0
+    def with_updates(self) -> "Schedule":
+        """The same schedule with a U task per stage after its last backward (synchronous
+        optimizer step inside the pipeline), one per device and tick."""
+        if any(t.kind == TaskType.U for t in self.tasks):
+            return self
+        last = TaskType.W if self.split_backward else TaskType.B
+        done = {}
+        for t in self.tasks:
+            if t.kind == last:
+                done[t.stage] = max(done.get(t.stage, -1), t.tick)
+        busy = {(t.tick, t.device) for t in self.tasks if t.kind == TaskType.U}
+        tasks = list(self.tasks)
+        for k in sorted(done, key=lambda k: done[k]):
+            tick, d = done[k], self.stage_device[k]
+            while (tick, d) in busy:
+                tick += 1
+            busy.add((tick, d))
+            tasks.append(Task(tick, d, TaskType.U, k))
+        out = dataclasses.replace(self, tasks=tuple(sorted(tasks)))
+        out.validate()
         return out
 
-    def slots(self, kind: str) -> int:
-        """Smallest K such that storing microbatch m in slot m % K never overwrites a live
-        entry. kind: "stash" (residuals, F -> B on one stage), "act" (activation received
-        from stage s-1 -> F), "grad" (gradient received from stage s+1 -> B)."""
-        S, M = self.num_stages, self.num_microbatches
-        f_tick = np.full((S, M), -1)
-        b_tick = np.full((S, M), -1)
-        for t in range(self.num_ticks):
-            for s in range(S):
-                if self.fwd[t, s] >= 0:
-                    f_tick[s, self.fwd[t, s]] = t
-                if self.bwd[t, s] >= 0:
-                    b_tick[s, self.bwd[t, s]] = t
-        intervals = []  # (stage, microbatch, written at tick, last read at tick)
-        for s in range(S):
-            for m in range(M):
-                if kind == "stash":
-                    intervals.append((s, m, f_tick[s, m], b_tick[s, m]))
-                elif kind == "act" and s > 0:
-                    intervals.append((s, m, f_tick[s - 1, m] + 1, f_tick[s, m]))
-                elif kind == "grad" and s < S - 1:
-                    intervals.append((s, m, b_tick[s + 1, m] + 1, b_tick[s, m]))
-        for k in range(1, M + 1):
-            ok = True
-            for s in range(S):
-                mine = [iv for iv in intervals if iv[0] == s]
-                for i, (_, m1, w1, r1) in enumerate(mine):
-                    for _, m2, w2, r2 in mine[i + 1:]:
-                        if m1 % k == m2 % k and not (r1 < w2 or r2 < w1):
-                            ok = False
-                            break
-                    if not ok:
-                        break
-                if not ok:
-                    break
-            if ok:
-                return k
-        return M
+    # --- derived quantities ----------------------------------------------------------
+    def work(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> np.ndarray:
+        """[ticks, devices] busy time of each device in each tick, from per-stage costs
+        (scalars or one per stage). bwd_cost is the full backward; a split schedule's B
+        and W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
+        K = self.num_stages
+        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
+                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+        out = np.zeros((self.num_ticks, self.num_devices))
+        for t in self.tasks:
+            out[t.tick, t.device] += cost[t.kind][t.stage]
+        return out
+
+    def tick_times(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None) -> np.ndarray:
+        """Duration of each lock-step tick: its busiest device's work."""
+        return self.work(fwd_cost, bwd_cost, weight_cost).max(axis=1)
+
+    def bubble_fraction(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None) -> float:
+        """Fraction of device time idle when the table runs in lock step with the given
+        per-stage costs (defaults: F = 1, B = 2, and B = W = 1 when split)."""
+        work = self.work(fwd_cost, bwd_cost, weight_cost)
+        return float(1.0 - work.sum() / (work.max(axis=1).sum() * self.num_devices))
+
+    def in_flight(self) -> np.ndarray:
+        """Per device, the most microbatch-stages whose forward ran and whose residuals are
+        still needed (backward, or W when split, not yet run) = residual stash slots."""
+        free = TaskType.W if self.split_backward else TaskType.B
+        delta = np.zeros((self.num_ticks + 1, self.num_devices), int)
+        for t in self.tasks:
+            if t.kind == TaskType.F:
+                delta[t.tick, t.device] += 1
+            elif t.kind == free:
+                delta[t.tick + 1, t.device] -= 1   # freed after the tick that reads it
+        return np.cumsum(delta, axis=0).max(axis=0)
+
+    def stage_in_flight(self) -> np.ndarray:
+        """Per stage, the most microbatches whose residuals it holds at once."""
+        free = TaskType.W if self.split_backward else TaskType.B
+        delta = np.zeros((self.num_ticks + 1, self.num_stages), int)
+        for t in self.tasks:
+            if t.kind == TaskType.F:
+                delta[t.tick, t.stage] += 1
+            elif t.kind == free:
+                delta[t.tick + 1, t.stage] -= 1
+        return np.cumsum(delta, axis=0).max(axis=0)
+
+    @functools.cached_property
+    def _rings(self):
+        K, dev = self.num_stages, self.stage_device
+        when = {(t.kind, t.stage, t.microbatch): t.tick for t in self.tasks}
+        last = TaskType.W if self.split_backward else TaskType.B
+        act, grad, stash, cross = [], [], [], []   # (device, key, write tick, last read tick)
+        for (kind, k, m), t in when.items():
+            if kind == TaskType.F and not self.forward_only:
+                stash.append((dev[k], (k, m), t, when[(last, k, m)]))
+            if kind == TaskType.F and k > 0:
+                act.append((dev[k], (k, m), when[(TaskType.F, k - 1, m)], t))
+            if kind == TaskType.B and k < K - 1:   # gradient from k+1, read by B (and W)
+                grad.append((dev[k], (k, m), when[(TaskType.B, k + 1, m)], when[(last, k, m)]))
+            if kind == TaskType.B and self.split_backward:
+                cross.append((dev[k], (k, m), t, when[(TaskType.W, k, m)]))
+        # Inboxes are written at the end of a tick, after its reads: a slot read in tick r
+        # can take a new value in r. Stashes are written in F (or B) before B / W read.
+        out = [_colour(act, strict=False), _colour(grad, strict=False),
+               _colour(stash, strict=True), _colour(cross, strict=True)]
+        sizes = {name: max(size, 1) for name, (_, size) in zip(("act", "grad", "stash", "cross"), out)}
+        return tuple(slots for slots, _ in out), sizes
+
+    def ring_slots(self) -> tuple[tuple, dict]:
+        """Ring buffers the runtime needs: ((act, grad, stash, cross) slot of each
+        (device, (stage, microbatch)) value, {ring: size}). act: activations received for
+        a stage's F; grad: gradients received for its B (kept for W when split); stash:
+        residuals from F to the last backward; cross: what a split B hands to W."""
+        return self._rings
 
     def validate(self) -> None:
-        """Raises ValueError unless every (stage, microbatch) runs forward and backward
-        exactly once, in an order the lock-step data movement allows."""
-        S, M, T = self.num_stages, self.num_microbatches, self.num_ticks
-        if self.fwd.shape != (T, S) or self.bwd.shape != (T, S):
-            raise ValueError(f"schedule {self.name}: tables must both be [ticks, {S}]")
-        f_tick = np.full((S, M), -1)
-        b_tick = np.full((S, M), -1)
-        for table, ticks, what in ((self.fwd, f_tick, "forward"), (self.bwd, b_tick, "backward")):
-            for t in range(T):
-                for s in range(S):
-                    m = table[t, s]
-                    if m < 0:
-                        continue
-                    if m >= M or ticks[s, m] >= 0:
-                        raise ValueError(f"schedule {self.name}: {what} of microbatch {m} "
-                                         f"on stage {s} is out of range or repeated")
-                    ticks[s, m] = t
-        if (f_tick < 0).any() or (b_tick < 0).any():
-            raise ValueError(f"schedule {self.name}: some forward/backward never runs")
-        for s in range(S):
-            for m in range(M):
-                if s > 0 and f_tick[s, m] <= f_tick[s - 1, m]:
-                    raise ValueError(f"schedule {self.name}: F{m} on stage {s} before its input arrives")
-                if s < S - 1 and b_tick[s, m] <= b_tick[s + 1, m]:
-                    raise ValueError(f"schedule {self.name}: B{m} on stage {s} before its gradient arrives")
-                if b_tick[s, m] < f_tick[s, m]:
-                    raise ValueError(f"schedule {self.name}: B{m} on stage {s} before its forward")
+        """Raises ValueError unless every (stage, microbatch) runs F and B (and W when
+        split) exactly once on its stage's device, at most one task per kind per device
+        and tick, in an order the lock-step data movement allows."""
+        K, M, D = self.num_stages, self.num_microbatches, self.num_devices
+        err = lambda msg: ValueError(f"schedule {self.name}: {msg}")
+        if K < D or K % D or sorted(np.bincount(self.stage_device, minlength=D)) != [K // D] * D:
+            raise err(f"stage_device {self.stage_device} must give each of {D} devices "
+                      f"the same number of stages")
+        when: dict = {}
+        slots = set()
+        for t in self.tasks:
+            if not (0 <= t.stage < K) or t.device != self.stage_device[t.stage]:
+                raise err(f"{t} runs on device {t.device}, its stage lives on "
+                          f"{self.stage_device[t.stage] if 0 <= t.stage < K else '?'}")
+            if (t.tick, t.device, t.kind) in slots:
+                raise err(f"two {t.kind.name} tasks on device {t.device} in tick {t.tick}")
+            slots.add((t.tick, t.device, t.kind))
+            key = (t.kind, t.stage, t.microbatch)
+            if key in when or (t.kind != TaskType.U and not 0 <= t.microbatch < M):
+                raise err(f"{t} is repeated or its microbatch is out of range")
+            when[key] = t.tick
+        kinds = (TaskType.F,) if self.forward_only else \
+            (TaskType.F, TaskType.B) + ((TaskType.W,) if self.split_backward else ())
+        if not self.split_backward and any(k == TaskType.W for k, _, _ in when):
+            raise err("W tasks need split_backward=True")
+        for kind in kinds:
+            for k in range(K):
+                for m in range(M):
+                    if (kind, k, m) not in when:
+                        raise err(f"{kind.name}{m} of stage {k} never runs")
+        for (kind, k, m), t in when.items():
+            if kind == TaskType.F and k > 0 and when[(TaskType.F, k - 1, m)] >= t:
+                raise err(f"F{m} of stage {k} at tick {t} before its input arrives")
+            if kind == TaskType.B:
+                before = (when[(TaskType.F, k, m)] <= t) if k == K - 1 else \
+                    (when[(TaskType.B, k + 1, m)] < t)
+                if not before or when[(TaskType.F, k, m)] > t:
+                    raise err(f"B{m} of stage {k} at tick {t} before its gradient arrives")
+            if kind == TaskType.W and when[(TaskType.B, k, m)] > t:
+                raise err(f"W{m} of stage {k} at tick {t} before its B")
+            if kind == TaskType.U:
+                last = kinds[-1]
+                if any(when[(last, k, j)] > t for j in range(M)):
+                    raise err(f"U of stage {k} at tick {t} before its last backward")
 
+    # --- pictures --------------------------------------------------------------------
     def chart(self) -> str:
-        """A text Gantt chart: one row per stage, one column per tick; `F3` = forward of
-        microbatch 3, `B3` backward, `F3B0` both in one tick, `.` idle."""
-        cells = [[("" if self.fwd[t, s] < 0 else f"F{self.fwd[t, s]}") +
-                  ("" if self.bwd[t, s] < 0 else f"B{self.bwd[t, s]}") or "."
-                  for t in range(self.num_ticks)] for s in range(self.num_stages)]
-        width = max(len(c) for row in cells for c in row)
-        lines = [f"{self.name}: S={self.num_stages} M={self.num_microbatches} "
-                 f"ticks={self.num_ticks} bubble={self.bubble_fraction():.3f}"]
-        for s, row in enumerate(cells):
-            lines.append(f"stage {s}: " + " ".join(c.ljust(width) for c in row))
+        """Text Gantt chart: one row per device, one column per tick; `F3` forward of
+        microbatch 3, `B3` backward, `W3` weight gradient, `U` update; with virtual stages
+        `F3s5` names the stage; `.` idle."""
+        cells = [["" for _ in range(self.num_ticks)] for _ in range(self.num_devices)]
+        show_stage = self.virtual_stages > 1
+        for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
+            m = "" if t.kind == TaskType.U else str(t.microbatch)
+            cells[t.device][t.tick] += t.kind.name + m + (f"s{t.stage}" if show_stage else "")
+        width = max(1, *(len(c) for row in cells for c in row))
+        lines = [f"{self.name}: S={self.num_devices} v={self.virtual_stages} "
+                 f"M={self.num_microbatches} ticks={self.num_ticks} "
+                 f"bubble={self.bubble_fraction():.3f}"]
+        for d, row in enumerate(cells):
+            lines.append(f"device {d}: " + " ".join((c or ".").ljust(width) for c in row))
         return "\n".join(lines)
 
-    def plot(self, path: str, fwd_cost=1.0, bwd_cost=2.0, title: str | None = None) -> None:
-        """PNG Gantt chart with tick widths from the given costs."""
+    def plot(self, path: str, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None,
+             title: str | None = None) -> None:
+        """PNG Gantt chart, tick widths from the given per-stage costs (the one plotter:
+        plans draw through it too)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        f = np.broadcast_to(np.asarray(fwd_cost, float), (self.num_stages,))
-        b = np.broadcast_to(np.asarray(bwd_cost, float), (self.num_stages,))
-        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(f, b))])
-        fig, ax = plt.subplots(figsize=(max(6, self.num_ticks * 0.35), 0.5 * self.num_stages + 1.2))
-        for t in range(self.num_ticks):
-            for s in range(self.num_stages):
-                x = starts[t]
-                if self.fwd[t, s] >= 0:
-                    ax.barh(s, f[s], left=x, color="tab:blue", edgecolor="k")
-                    ax.text(x + f[s] / 2, s, str(self.fwd[t, s]), ha="center", va="center", fontsize=7, color="w")
-                    x += f[s]
-                if self.bwd[t, s] >= 0:
-                    ax.barh(s, b[s], left=x, color="tab:orange", edgecolor="k")
-                    ax.text(x + b[s] / 2, s, str(self.bwd[t, s]), ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(self.num_stages), [f"stage {s}" for s in range(self.num_stages)])
+        K = self.num_stages
+        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
+                TaskType.W: w, TaskType.U: np.full(K, 0.1 * float(f.mean()))}
+        color = {TaskType.F: "tab:blue", TaskType.B: "tab:orange", TaskType.W: "tab:green",
+                 TaskType.U: "tab:gray"}
+        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(f, b, w))])
+        fig, ax = plt.subplots(figsize=(min(40, max(6, self.num_ticks * 0.3)),
+                                        0.5 * self.num_devices + 1.3))
+        offset = np.zeros((self.num_ticks, self.num_devices))
+        for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
+            c = cost[t.kind][t.stage]
+            x = starts[t.tick] + offset[t.tick, t.device]
+            offset[t.tick, t.device] += c
+            ax.barh(t.device, c, left=x, color=color[t.kind], edgecolor="k", linewidth=0.4,
+                    alpha=1.0 if t.stage < self.num_devices else 0.65)
+            if t.kind != TaskType.U:
+                ax.text(x + c / 2, t.device, str(t.microbatch), ha="center", va="center",
+                        fontsize=6)
+        ax.set_yticks(range(self.num_devices), [f"device {d}" for d in range(self.num_devices)])
         ax.invert_yaxis()
-        ax.set_xlabel("time (forward = blue, backward = orange)")
-        ax.set_title(title or f"{self.name}  S={self.num_stages} M={self.num_microbatches}  "
-                              f"bubble={self.bubble_fraction(f, b):.3f}")
+        ax.set_xlabel("time (F blue, B orange, W green, U gray; later virtual stages lighter)")
+        ax.set_title(title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
+                              f"M={self.num_microbatches}  bubble="
+                              f"{self.bubble_fraction(f, b, w):.3f}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
 
-def _gpipe(S: int, M: int):
-    T = 2 * (M + S - 1) - 1
-    fwd = np.full((T, S), IDLE)
-    bwd = np.full((T, S), IDLE)
-    for s in range(S):
-        for m in range(M):
-            fwd[m + s, s] = m
-            # The last stage starts backwards in the tick of its last forward.
-            bwd[(M + S - 2) + m + (S - 1 - s), s] = m
-    return fwd, bwd
+def _colour(intervals: list, strict: bool) -> tuple[dict, int]:
+    """Greedy interval colouring per device of (device, key, write, read) intervals.
+    strict: a slot read in tick r may be rewritten only after r; else from r on."""
+    slots, size, by_dev = {}, 0, {}
+    for iv in intervals:
+        by_dev.setdefault(iv[0], []).append(iv)
+    for ivs in by_dev.values():
+        free_at: list = []           # per slot: first tick it may be written again
+        for dev, key, w, r in sorted(ivs, key=lambda iv: (iv[2], iv[3])):
+            i = next((j for j, f in enumerate(free_at) if f <= w), len(free_at))
+            if i == len(free_at):
+                free_at.append(0)
+            free_at[i] = r + 1 if strict else r
+            slots[(dev, key)] = i
+        size = max(size, len(free_at))
+    return slots, size
 
 
-def _one_f_one_b(S: int, M: int):
-    T = M + 2 * (S - 1)
-    fwd = np.full((T, S), IDLE)
-    bwd = np.full((T, S), IDLE)
-    for s in range(S):
-        for m in range(M):
-            fwd[m + s, s] = m
-            bwd[m + 2 * (S - 1) - s, s] = m
-    return fwd, bwd
+# --- placing device orders on lock-step ticks -----------------------------------------
+class ScheduleDeadlock(ValueError):
+    """A device order whose next task can never become ready."""
 
 
-_BUILDERS = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
-SCHEDULE_NAMES = tuple(_BUILDERS)
+def place_tasks(name: str, num_devices: int, num_microbatches: int, stage_device: Sequence[int],
+                orders: Sequence[Sequence[tuple]], *, split_backward: bool = False,
+                per_tick: int = 2, in_flight_cap: Sequence[int] | None = None,
+                priority: Callable | None = None, forward_only: bool = False) -> Schedule:
+    """Greedy lock-step placement of per-device task orders.
+
+    orders[d]: device d's tasks as (kind, stage, microbatch), F and B (and U) only; with
+    split_backward each B's W becomes pending once the B is placed and fills slots: it
+    runs whenever the device's next ordered task cannot (not ready, or an F blocked by
+    `in_flight_cap[d]`), and the rest at the end. In every tick a device takes tasks
+    in order while they are ready, of kinds not yet used in the tick, up to `per_tick`;
+    with `priority` (a key on (kind, stage, microbatch)) a device instead takes its
+    runnable task of least key, in any order.
+    """
+    D, K, M = num_devices, len(stage_device), num_microbatches
+    done: dict = {}
+    todo = [list(o) for o in orders]
+    pending_w = [[] for _ in range(D)]
+    live = [0] * D
+    tasks: list[Task] = []
+    total = sum(len(o) for o in orders) + (sum(t[0] == TaskType.B for o in orders for t in o)
+                                            if split_backward else 0)
+    tick = 0
+
+    def ready(kind, k, m, t) -> bool:
+        if kind == TaskType.F:
+            return k == 0 or done.get((TaskType.F, k - 1, m), t) < t
+        if kind == TaskType.B:
+            if k == K - 1:
+                return done.get((TaskType.F, k, m), t + 1) <= t
+            return done.get((TaskType.B, k + 1, m), t) < t
+        last = TaskType.W if split_backward else TaskType.B
+        return all(done.get((last, k, j), t + 1) <= t for j in range(M))
+
+    def runnable(d, task, used) -> bool:
+        blocked = (task[0] == TaskType.F and in_flight_cap is not None
+                   and live[d] >= in_flight_cap[d])
+        return task[0] not in used and not blocked and ready(*task, tick)
+
+    def next_task(d, used):
+        """Index in todo[d] of the task to place: the next in order, or by priority the
+        best runnable one."""
+        if priority is None:
+            return 0 if todo[d] and runnable(d, todo[d][0], used) else None
+        ok = [i for i, task in enumerate(todo[d]) if runnable(d, task, used)]
+        return min(ok, key=lambda i: priority(todo[d][i])) if ok else None
+
+    while len(tasks) < total:
+        placed_any = False
+        for d in range(D):
+            used = set()
+            while len(used) < per_tick:
+                i = next_task(d, used)
+                if i is not None:
+                    kind, k, m = todo[d].pop(i)
+                elif split_backward and TaskType.W not in used and pending_w[d]:
+                    kind, k, m = pending_w[d].pop(0)
+                else:
+                    break
+                used.add(kind)
+                done[(kind, k, m)] = tick
+                tasks.append(Task(tick, d, TaskType(kind), k, m))
+                placed_any = True
+                if kind == TaskType.F:
+                    live[d] += 1
+                elif kind == TaskType.B and split_backward:
+                    pending_w[d].append((TaskType.W, k, m))
+                if kind == (TaskType.W if split_backward else TaskType.B):
+                    live[d] -= 1
+        if not placed_any and all(not p for p in pending_w):
+            raise ScheduleDeadlock(f"schedule {name}: no device can run its next task at "
+                                   f"tick {tick} (order deadlocks)")
+        tick += 1
+    sched = Schedule(name, D, M, tuple(int(d) for d in stage_device), tuple(sorted(tasks)),
+                     split_backward, forward_only)
+    sched.validate()
+    return sched
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The task table of a named schedule ("gpipe" | "1f1b")."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}.")
+# --- builders ---------------------------------------------------------------------------
+SCHEDULES: dict[str, Callable[..., Schedule]] = {}
+
+
+def register_schedule(name: str):
+    """Decorator: adds a builder `f(num_stages, num_microbatches, **options) -> Schedule`
+    to `SCHEDULES` under `name`."""
+    def deco(fn):
+        if name in SCHEDULES:
+            raise ValueError(f"register_schedule: {name!r} is already registered.")
+        SCHEDULES[name] = fn
+        return fn
+    return deco
+
+
+def _one_f_one_b_order(forwards: list, backwards: list, warmup: int) -> list:
+    """`warmup` forwards, then alternately a backward and a forward, then the rest."""
+    warmup = min(warmup, len(forwards))
+    order = list(forwards[:warmup])
+    rest_f = forwards[warmup:]
+    for i, b in enumerate(backwards):
+        order.append(b)
+        if i < len(rest_f):
+            order.append(rest_f[i])
+    return order
+
+
+@register_schedule("gpipe")
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    S, M = num_stages, num_microbatches
+    orders = [[(TaskType.F, d, m) for m in range(M)] + [(TaskType.B, d, m) for m in range(M)]
+              for d in range(S)]
+    return place_tasks("gpipe", S, M, range(S), orders)
+
+
+def one_f_one_b_warmup(num_stages: int, device: int) -> int:
+    """Forwards before stage `device`'s first backward in lock step: the round trip of
+    microbatch 0 to the last stage and back takes 2(S-1-d) ticks."""
+    return 2 * (num_stages - 1 - device) + 1
+
+
+@register_schedule("1f1b")
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    S, M = num_stages, num_microbatches
+    orders = [_one_f_one_b_order([(TaskType.F, d, m) for m in range(M)],
+                                 [(TaskType.B, d, m) for m in range(M)],
+                                 one_f_one_b_warmup(S, d)) for d in range(S)]
+    return place_tasks("1f1b", S, M, range(S), orders)
+
+
+def _interleaved_orders(S: int, M: int, v: int, extra: int) -> list:
+    groups = [list(range(g, min(g + S, M))) for g in range(0, M, S)]
+    orders = []
+    for d in range(S):
+        fw = [(TaskType.F, c * S + d, m) for grp in groups for c in range(v) for m in grp]
+        bw = [(TaskType.B, c * S + d, m) for grp in groups for c in reversed(range(v))
+              for m in grp]
+        orders.append(_one_f_one_b_order(fw, bw, (v - 1) * S + one_f_one_b_warmup(S, d) + extra))
+    return orders
+
+
+@register_schedule("interleaved")
+def interleaved(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    S, M, v = num_stages, num_microbatches, virtual_stages
+    if not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"interleaved: virtual_stages={v!r} must be an int >= 1.")
+    stage_device = [k % S for k in range(S * v)]
+    best = None
+    # The smallest extra warm-up whose table has the least bubble (more warm-up only
+    # costs memory once the lock step no longer stalls).
+    for extra in range(0, S + 1):
+        try:
+            s = place_tasks("interleaved", S, M, stage_device, _interleaved_orders(S, M, v, extra))
+        except ScheduleDeadlock:
+            continue
+        if best is None or s.bubble_fraction() < best.bubble_fraction() - 1e-9:
+            best = s
+    return best
+
+
+@register_schedule("zb-h1")
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    S, M = num_stages, num_microbatches
+    # Every device may hold as many microbatches as 1f1b's busiest (2S-1): the later
+    # stages then defer W so that B runs first and the last microbatch's backward chain
+    # starts early — which is what removes the cool-down bubble.
+    cap = [one_f_one_b_warmup(S, 0)] * S
+    orders = [_one_f_one_b_order([(TaskType.F, d, m) for m in range(M)],
+                                 [(TaskType.B, d, m) for m in range(M)],
+                                 one_f_one_b_warmup(S, d)) for d in range(S)]
+    return place_tasks("zb-h1", S, M, range(S), orders, split_backward=True, per_tick=1,
+                       in_flight_cap=cap)
+
+
+@register_schedule("zbv")
+def zbv(num_stages: int, num_microbatches: int) -> Schedule:
+    S, M = num_stages, num_microbatches
+    # V-shape: device d holds stages d and 2S-1-d, so the turn (S-1 -> S) stays on the
+    # last device and the loss is computed on device 0, next to the input.
+    stage_device = [k if k < S else 2 * S - 1 - k for k in range(2 * S)]
+    orders = [[(kind, k, m) for kind in (TaskType.F, TaskType.B) for k in (d, 2 * S - 1 - d)
+               for m in range(M)] for d in range(S)]
+    # B before F before W; then the earlier microbatch; then the later stage (finish a
+    # microbatch before starting another: bounded memory).
+    priority = lambda t: (0 if t[0] == TaskType.B else 1, t[2], -t[1])
+    return place_tasks("zbv", S, M, stage_device, orders, split_backward=True, per_tick=1,
+                       in_flight_cap=[2 * S] * S, priority=priority)
+
+
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def forward_schedule(sched: Schedule) -> Schedule:
+    """Forward tasks only (evaluation) on the same stage -> device map: every device
+    runs its ready forward of the earliest microbatch each tick."""
+    D, M, K = sched.num_devices, sched.num_microbatches, sched.num_stages
+    orders = [[(TaskType.F, k, m) for k in range(K) if sched.stage_device[k] == d
+               for m in range(M)] for d in range(D)]
+    return place_tasks(f"{sched.name}-forward", D, M, sched.stage_device, orders, per_tick=1,
+                       priority=lambda t: (t[2], t[1]), forward_only=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(name: str, num_stages: int, num_microbatches: int, options: tuple) -> Schedule:
+    return SCHEDULES[name](num_stages, num_microbatches, **dict(options))
+
+
+def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
+                  **options) -> Schedule:
+    """The task table of a registered schedule (see `SCHEDULES`), or a user's `Schedule`
+    checked against the pipeline's depth and microbatch count. num_stages = pipeline
+    depth in devices; options: e.g. virtual_stages=2 for "interleaved"."""
+    if isinstance(name, Schedule):
+        if name.num_devices != num_stages or name.num_microbatches != num_microbatches:
+            raise ValueError(f"schedule {name.name!r} is for {name.num_devices} devices x "
+                             f"{name.num_microbatches} microbatches, the pipeline has "
+                             f"{num_stages} x {num_microbatches}; build it for this pipeline.")
+        name.validate()
+        return name
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)} "
+                         f"or pass a jaxhybrid.schedules.Schedule.")
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(f"schedule needs num_stages >= 1 and num_microbatches >= 1, got "
                          f"{num_stages}, {num_microbatches}.")
-    fwd, bwd = _BUILDERS[name](num_stages, num_microbatches)
-    # Drop trailing all-idle ticks.
-    busy = np.nonzero(((fwd >= 0) | (bwd >= 0)).any(axis=1))[0]
-    fwd, bwd = fwd[: busy[-1] + 1], bwd[: busy[-1] + 1]
-    sched = Schedule(name, num_stages, num_microbatches, fwd, bwd)
-    sched.validate()
-    return sched
+    try:
+        return _cached(name, int(num_stages), int(num_microbatches), tuple(sorted(options.items())))
+    except TypeError as e:
+        raise ValueError(f"schedule {name!r} does not take options {sorted(options)}: {e}") from e

@@ -3,6 +3,7 @@ from jaxhybrid.pipeline.api import Pipeline
 from jaxhybrid.pipeline.reference import reference_value_and_grad
 from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.schedules import SCHEDULE_NAMES, Schedule, make_schedule
+from jaxhybrid.splitter.program import stage_boundary  # noqa: F401 (a forced cut in a model)
 
 __all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULE_NAMES", "reference_value_and_grad",
            "even_boundaries"]

@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing, runtime
+from jaxhybrid.pipeline import packing, programs, runtime, tables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
-from jaxhybrid.schedules import Schedule, make_schedule
+from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
 
 PyTree = Any
 
@@ -48,9 +48,12 @@ class Pipeline:
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, mesh: Mesh, num_microbatches: int = 1,
-                 schedule: str = "1f1b", boundaries: Sequence[int] | None = None,
+                 schedule: str | Schedule = "1f1b", boundaries: Sequence[int] | None = None,
                  remat: Any = "auto", memory_budget: int | str | None = None,
-                 topology: Any = None, plan: Any = None):
+                 topology: Any = None, plan: Any = None, virtual_stages: int | None = None,
+                 call_kwargs: dict | None = None, sample_inputs: PyTree = None):
+        from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
+        self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
@@ -59,16 +62,24 @@ class Pipeline:
             raise ValueError(f"Pipeline: mesh must have exactly the axes ('data', 'pipe'), got "
                              f"{names}; build it with jaxhybrid.make_mesh(data=..., pipe=...).")
         self.mesh = mesh
-        self.num_stages = int(mesh.shape[PIPE])
+        self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
         if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
+        options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
+        if options and schedule != "interleaved":
+            raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
+                             f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
+        self.schedule = make_schedule(schedule, self.pipe_size, self.num_microbatches, **options)
+        # A "stage" is a piece of the model: S x v of them with v virtual stages per device.
+        self.num_stages = self.schedule.num_stages
         L, S = len(self.layers), self.num_stages
         if S > L:
-            raise ValueError(f"Pipeline: {S} stages but only {L} layers; use a mesh with "
-                             f"pipe <= {L} or split the model into more layers.")
-        self.schedule = make_schedule(schedule, S, self.num_microbatches)
+            raise ValueError(f"Pipeline: {S} stages ({self.pipe_size} devices x "
+                             f"{self.schedule.virtual_stages} virtual) but only {L} layers; use "
+                             f"a mesh with fewer pipe devices, fewer virtual stages, or split "
+                             f"the model into more layers.")
         if memory_budget is not None and remat != "auto":
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
@@ -89,6 +100,8 @@ class Pipeline:
         self._planner_cuts = boundaries is None
         self._set_layout(even_boundaries(L, S) if boundaries is None
                          else check_boundaries(boundaries, L, S), remat)
+        if self.splitter is not None:
+            self.value_and_grad = self.splitter.wrap_value_and_grad(self, self.value_and_grad)
 
     def _set_layout(self, boundaries, remat) -> None:
         self.boundaries = list(boundaries)
@@ -109,8 +122,8 @@ class Pipeline:
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
         costs = _profile_cached(self.layers, self._sample)
         return planner.make_plan(
-            costs, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
-            schedule=self.schedule.name, data=self.data, topology=self.topology,
+            costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
+            schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None)
 
@@ -144,19 +157,35 @@ class Pipeline:
         return [StageProgram(s, a, b, per_stage[s], tuple(per_layer[a:b]))
                 for s, (a, b) in enumerate(self.ranges)]
 
+    @property
+    def device_layers(self) -> list[list[int]]:
+        """Per pipe device, the layers whose variables its buffers hold, in stage order."""
+        sd = self.schedule.stage_device
+        return [[i for k in range(self.num_stages) if sd[k] == d for i in range(*self.ranges[k])]
+                for d in range(self.pipe_size)]
+
     def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
         abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), dict(v))
                     for v in per_layer]
         self._layer_vars = abstract
         colls = sorted({c for v in abstract for c in v})
         self.state_collections = [c for c in colls if c != "params"]
-        self.param_layouts = [{} for _ in self.ranges]
-        lengths = {}
+        # param_layouts[d][c]: device d's row of buffers (all its stages' layers);
+        # stage_layouts[k][c]: stage k's part of its device's row.
+        self.param_layouts = [{} for _ in range(self.pipe_size)]
+        self.stage_layouts = [{} for _ in range(self.num_stages)]
+        sd, lengths = self.schedule.stage_device, {}
         for c in ["params", *self.state_collections]:
-            lays, lengths[c] = packing.shared_layouts(
-                [[abstract[i].get(c, {}) for i in range(a, b)] for a, b in self.ranges])
-            for s, lay in enumerate(lays):
-                self.param_layouts[s][c] = lay
+            tree = lambda i: abstract[i].get(c, {})
+            rows, lengths[c] = packing.shared_layouts(
+                [[tree(i) for i in layers] for layers in self.device_layers])
+            for d, row in enumerate(rows):
+                self.param_layouts[d][c] = row
+                mine = [k for k in range(self.num_stages) if sd[k] == d]
+                parts = packing.split_layout(row, [[tree(i) for i in range(*self.ranges[k])]
+                                                   for k in mine])
+                for k, part in zip(mine, parts):
+                    self.stage_layouts[k][c] = part
         self.param_len = lengths["params"]
         self.state_len = {c: lengths[c] for c in self.state_collections}
         self._cache.clear()
@@ -165,19 +194,29 @@ class Pipeline:
         if self._layer_vars is None:
             raise ValueError("Pipeline: call pipe.init(rng, sample_inputs) or pipe.pack(per_layer) first.")
 
-    def abstract_stage_vars(self, s: int):
-        a, b = self.ranges[s]
-        params = [self._layer_vars[i].get("params", {}) for i in range(a, b)]
-        state = [{c: v for c, v in self._layer_vars[i].items() if c != "params"} for i in range(a, b)]
-        return params, state
+    def _stage(self, k: int) -> runtime.Stage:
+        """Stage k as the runtime sees it (its state as {collection: per-layer trees})."""
+        a, b = self.ranges[k]
+        has = [set(self._layer_vars[i]) for i in range(a, b)]
+        colls, prog, layers = self.state_collections, self.programs[k], self.layers
 
-    def stage_state_from_collections(self, s: int, by_coll: dict) -> list[dict]:
-        a, b = self.ranges[s]
-        return [{c: by_coll[c][k] for c in self.state_collections if c in self._layer_vars[i]}
-                for k, i in enumerate(range(a, b))]
+        def apply(params, state, x, *, train, rng, microbatch):
+            per_layer = [{c: state[c][j] for c in colls if c in has[j]} for j in range(b - a)]
+            y, new = prog.apply(layers, params, per_layer, x, train=train, rng=rng,
+                                microbatch=microbatch)
+            return y, {c: [st.get(c, {}) for st in new] for c in colls}
 
-    def stage_state_to_collections(self, s: int, per_layer: list[dict]) -> dict:
-        return {c: [st.get(c, {}) for st in per_layer] for c in self.state_collections}
+        return runtime.Stage(
+            apply=apply, params=self.stage_layouts[k]["params"],
+            state={c: self.stage_layouts[k][c] for c in colls},
+            abstract_params=[self._layer_vars[i].get("params", {}) for i in range(a, b)],
+            abstract_state={c: [self._layer_vars[i].get(c, {}) for i in range(a, b)] for c in colls})
+
+    def engine(self) -> runtime.Engine:
+        """The runtime's explicit view of this pipeline (stages, buffer lengths, sizes)."""
+        self._require_vars()
+        return runtime.Engine(tuple(self._stage(k) for k in range(self.num_stages)),
+                              self.param_len, self.state_len, self.data, self.num_microbatches)
 
     # --- variables ------------------------------------------------------------------
     def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
@@ -185,10 +224,14 @@ class Pipeline:
         returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
         (buffer keys: see `jaxhybrid.pipeline.packing`)."""
         self._sample = self._microbatch_sample(sample_inputs)
+        if self.splitter is not None:
+            self.splitter.attach(self)
         if self._needs_plan:
             plan = self._make_plan(fixed=not self._planner_cuts)
             self._plan, self._needs_plan = plan, False
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
+        if self.splitter is not None:
+            return self.pack(self.splitter.init_variables(rng, sample_inputs))
         x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
         per_layer = []
         # Non-partitionable threefry: initialisers run unsharded here, and XLA CPU takes
@@ -206,6 +249,8 @@ class Pipeline:
             raise ValueError("Pipeline.pack: the planner has not chosen the stages yet; call "
                              "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
                              "remat other than 'auto' with a memory_budget).")
+        if self.splitter is not None:   # the model's own variable tree -> per piece
+            per_layer = self.splitter.to_layer_vars(per_layer)
         if len(per_layer) != len(self.layers):
             raise ValueError(f"Pipeline.pack: got variables for {len(per_layer)} layers, the "
                              f"pipeline has {len(self.layers)}.")
@@ -215,9 +260,9 @@ class Pipeline:
         out = {}
         for c in ["params", *self.state_collections]:
             lengths = self.param_len if c == "params" else self.state_len[c]
-            rows = [packing.pack_numpy(self.param_layouts[s][c],
-                                       [per_layer[i].get(c, {}) for i in range(a, b)], lengths)
-                    for s, (a, b) in enumerate(self.ranges)]
+            rows = [packing.pack_numpy(self.param_layouts[d][c],
+                                       [per_layer[i].get(c, {}) for i in layers], lengths)
+                    for d, layers in enumerate(self.device_layers)]
             out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
         return out
 
@@ -227,13 +272,13 @@ class Pipeline:
         host = jax.device_get(variables)
         per_layer = [dict() for _ in self.layers]
         for c in ["params", *self.state_collections]:
-            for s, (a, b) in enumerate(self.ranges):
-                row = {k: v[s] for k, v in host[c].items()}
-                trees = packing.unpack_numpy(self.param_layouts[s][c], row)
-                for k, i in enumerate(range(a, b)):
+            for d, layers in enumerate(self.device_layers):
+                row = {k: v[d] for k, v in host[c].items()}
+                trees = packing.unpack_numpy(self.param_layouts[d][c], row)
+                for tree, i in zip(trees, layers):
                     if c in self._layer_vars[i]:
-                        per_layer[i][c] = trees[k]
-        return per_layer
+                        per_layer[i][c] = tree
+        return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
 
     # --- execution ------------------------------------------------------------------
     def _microbatch(self, tree: PyTree, what: str) -> PyTree:
@@ -256,9 +301,40 @@ class Pipeline:
         key = ("layouts", jax.tree.structure(mb_inputs), str(mb_inputs), str(mb_targets),
                loss_fn, train, rng is not None)
         if key not in self._cache:
-            self._cache[key] = runtime.stage_layouts(self, mb_inputs, mb_targets, loss_fn, train,
-                                                     rng)
+            self._cache[key] = runtime.stage_layouts(
+                self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
+                split=self.schedule.split_backward)
         return self._cache[key]
+
+    def _control(self, sched: Schedule) -> tables.ControlTable:
+        key = ("control", sched)
+        if key not in self._cache:
+            self._cache[key] = tables.control_table(sched)
+        return self._cache[key]
+
+    def _train_body(self, loss_fn, inputs, targets, rng, train, optimizer):
+        """The per-device program of one step, for these shapes."""
+        mb_in, mb_tg = self._microbatch(inputs, "inputs"), self._microbatch(targets, "targets")
+        eng = self.engine()
+        if self.num_stages == 1 and optimizer is None:
+            return programs.single_stage_program(eng, loss_fn, train, rng is not None)
+        rng_aval = jax.ShapeDtypeStruct(rng.shape, rng.dtype) if rng is not None else None
+        lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval)
+        sched = self.schedule.with_updates() if optimizer is not None else self.schedule
+        job = runtime.Job(eng, lay, loss_fn, train, rng is not None, sched.split_backward)
+        return runtime.train_program(job, self._control(sched), optimizer)
+
+    def _run_step(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng):
+        rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
+        body = self._train_body(loss_fn, inputs, targets, None if rng is None else rng_arg,
+                                train, optimizer)
+        state = {c: variables[c] for c in self.state_collections}
+        opt_spec = jax.tree.map(lambda a: P(PIPE) if jnp.ndim(a) else P(), opt_state)
+        return jax.shard_map(
+            body, mesh=self.mesh,
+            in_specs=(P(PIPE), P(PIPE), opt_spec, P(DATA), P(DATA), P()),
+            out_specs=(P(), P(PIPE), P(PIPE), P(PIPE), opt_spec), check_vma=False,
+        )(variables["params"], state, opt_state, inputs, targets, rng_arg)
 
     def value_and_grad(self, loss_fn: Callable, *, train: bool = True) -> Callable:
         """Returns f(variables, inputs, targets, rng=None) -> (loss, grads, new_variables).
@@ -269,6 +345,13 @@ class Pipeline:
         per microbatch in order, then averaged over data replicas)."""
         self._require_vars()
 
+        def _step(variables, inputs, targets, rng=None):
+            loss, grads, new_state, _, _ = self._run_step(loss_fn, train, None, variables, None,
+                                                          inputs, targets, rng)
+            return loss, grads, new_state
+
+        jitted = jax.jit(_step)
+
         def step(variables, inputs, targets, rng=None):
             with _rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"):
                 loss, grads, new_state = jitted(variables, inputs, targets, rng)
@@ -276,27 +359,37 @@ class Pipeline:
             # XLA copy the whole parameter buffer every step.
             return loss, grads, {**variables, **new_state}
 
-        def _step(variables, inputs, targets, rng=None):
-            mb_in = self._microbatch(inputs, "inputs")
-            mb_tg = self._microbatch(targets, "targets")
-            rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
-            if self.num_stages == 1:
-                body = runtime.build_single_stage_program(self, loss_fn, train, rng is not None)
-            else:
-                lay = self._layouts(mb_in, mb_tg, loss_fn, train, jax.ShapeDtypeStruct(
-                    rng_arg.shape, rng_arg.dtype) if rng is not None else None)
-                body = runtime.build_train_program(self, loss_fn, self.schedule, lay, mb_in,
-                                                   train, rng is not None)
-            state = {c: variables[c] for c in self.state_collections}
-            loss, grads, new_state = jax.shard_map(
-                body, mesh=self.mesh,
-                in_specs=(P(PIPE), P(PIPE), P(DATA), P(DATA), P()),
-                out_specs=(P(), P(PIPE), P(PIPE)), check_vma=False,
-            )(variables["params"], state, inputs, targets, rng_arg)
-            return loss, grads, new_state
+        step.lower = jitted.lower   # for memory_analysis / cost_analysis of the step
+        return step
+
+    def init_optimizer(self, optimizer, variables: dict):
+        """`optimizer.init` on the packed parameters (slots sharded like them)."""
+        return jax.jit(optimizer.init)(variables["params"])
+
+    def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
+        """Returns f(variables, opt_state, inputs, targets, rng=None) -> (loss, grads,
+        new_variables, new_opt_state): the optimizer runs inside the pipeline, as U tasks
+        after each device's last backward (gradients averaged over "data" first). The
+        optimizer must act per parameter (optax's adam, sgd, masked weight decay...):
+        it sees one device's buffers at a time, so a global-norm clip would see a part."""
+        self._require_vars()
+
+        def _step(variables, opt_state, inputs, targets, rng=None):
+            loss, grads, new_state, params, opt_state = self._run_step(
+                loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng)
+            if self.num_stages == 1:   # the one-stage program has no U tasks
+                import optax
+                updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
+                params = optax.apply_updates(variables["params"], updates)
+            return loss, grads, {**variables, **new_state, "params": params}, opt_state
 
         jitted = jax.jit(_step)
-        step.lower = jitted.lower   # for memory_analysis / cost_analysis of the step
+
+        def step(variables, opt_state, inputs, targets, rng=None):
+            with _rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"):
+                return jitted(variables, opt_state, inputs, targets, rng)
+
+        step.lower = jitted.lower
         return step
 
     def apply(self, variables: dict, inputs: PyTree, *, train: bool = False,
@@ -311,45 +404,40 @@ class Pipeline:
 
     def _apply(self, variables, inputs, rng, *, train):
         with _rng_hint("apply(variables, inputs, train=True, rng=key)"):
-            return self._apply_program(variables, inputs, rng, train=train)
-
-    def _apply_program(self, variables, inputs, rng, *, train):
-        mb_in = self._microbatch(inputs, "inputs")
-        rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
-        lay = self._forward_layouts(
-            mb_in, train, jax.ShapeDtypeStruct(rng_arg.shape, rng_arg.dtype) if rng is not None else None)
-        fwd = make_schedule("gpipe", self.num_stages, self.num_microbatches)
-        fwd = Schedule("forward", fwd.num_stages, fwd.num_microbatches, fwd.fwd,
-                       np.full_like(fwd.bwd, -1))
-        body = runtime.build_forward_program(self, fwd, lay, train, rng is not None)
-        state = {c: variables[c] for c in self.state_collections}
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(PIPE), P(PIPE), P(DATA), P()),
-                             out_specs=P(DATA), check_vma=False)(
-            variables["params"], state, inputs, rng_arg)
+            mb_in = self._microbatch(inputs, "inputs")
+            rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
+            lay = self._forward_layouts(mb_in, train, jax.ShapeDtypeStruct(
+                rng_arg.shape, rng_arg.dtype) if rng is not None else None)
+            body = programs.forward_program(self.engine(), lay,
+                                            self._control(forward_schedule(self.schedule)),
+                                            train, rng is not None)
+            state = {c: variables[c] for c in self.state_collections}
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(PIPE), P(PIPE), P(DATA), P()),
+                                 out_specs=P(DATA), check_vma=False)(
+                variables["params"], state, inputs, rng_arg)
 
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""
         trees, x = [mb_in], mb_in
-        for s in range(self.num_stages):
-            params, state = self.abstract_stage_vars(s)
-            x = jax.eval_shape(lambda p, st, x, key, s=s: self.programs[s].apply(
-                self.layers, p, st, x, train=train, rng=key, microbatch=0)[0], params, state, x, rng)
+        for st in self.engine().stages:
+            x = jax.eval_shape(lambda p, s, x, key, st=st: st.apply(
+                p, s, x, train=train, rng=key, microbatch=0)[0],
+                st.abstract_params, st.abstract_state, x, rng)
             trees.append(x)
         internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
         return runtime.StageLayouts(
-            params=[l["params"] for l in self.param_layouts],
-            state=[{c: l[c] for c in self.state_collections} for l in self.param_layouts],
             act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
-            grad=[], res=[], act_len=act_len, grad_len={}, res_len={})
+            grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
+            cross_len={}, residuals=None, split=[])
 
     # --- reporting ------------------------------------------------------------------
     def padding_stats(self) -> dict:
-        """Parameter elements per stage, per-device buffer length and padding waste."""
+        """Parameter elements per device, per-device buffer length and padding waste."""
         self._require_vars()
         used = [sum(n for _, n in l["params"].sizes) for l in self.param_layouts]
         per_device = sum(self.param_len.values())
         return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
-                    padding_waste=1.0 - sum(used) / max(1, per_device * self.num_stages))
+                    padding_waste=1.0 - sum(used) / max(1, per_device * self.pipe_size))
 
 
 @contextlib.contextmanager

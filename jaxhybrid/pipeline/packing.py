@@ -233,3 +233,48 @@ def pack_numpy(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> dict
 
 def zeros(lengths: Mapping[str, int], lead: Sequence[int] = ()) -> Buffers:
     return {key: jnp.zeros((*lead, n), dtype_of(key)) for key, n in lengths.items()}
+
+
+def pack_into(layout: Layout, tree: PyTree, buffers: Buffers) -> Buffers:
+    """Writes a pytree's leaves into existing buffers at the layout's places (the other
+    contents stay): how one of a device's several stages updates its part."""
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) != len(layout.shapes):
+        raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
+    out = dict(buffers)
+    for leaf, key, off in zip(leaves, layout.keys, layout.offsets):
+        flat = jnp.reshape(leaf, (-1,)).astype(dtype_of(key))
+        if off == 0 and flat.shape[0] == out[key].shape[-1]:
+            out[key] = flat
+        else:
+            out[key] = jax.lax.dynamic_update_slice_in_dim(out[key], flat, off, 0)
+    return out
+
+
+def split_layout(layout: Layout, trees: Sequence[PyTree]) -> list[Layout]:
+    """The layout of a tuple of trees, cut into one layout per tree (e.g. a device's
+    buffers holding several pipeline stages: each stage reads only its own leaves)."""
+    out, start = [], 0
+    for tree in trees:
+        leaves, treedef = jax.tree.flatten(tree)
+        end = start + len(leaves)
+        keys = layout.keys[start:end]
+        sizes = collections.Counter()
+        for key, shape in zip(keys, layout.shapes[start:end]):
+            sizes[key] += math.prod(shape)
+        out.append(Layout(treedef, layout.shapes[start:end], layout.dtypes[start:end], keys,
+                          layout.offsets[start:end], tuple(sorted(sizes.items()))))
+        start = end
+    return out
+
+
+def grouped_layouts(trees: Sequence[PyTree], groups: Sequence[Sequence[int]],
+                    whole_min: int | None = WHOLE_MIN) -> tuple[list, dict]:
+    """Layouts of `trees` where the trees of one group share one row of buffers (a device
+    holding several stages): returns (one Layout per tree, lengths)."""
+    rows, lengths = shared_layouts([tuple(trees[i] for i in g) for g in groups], whole_min)
+    out = [None] * len(trees)
+    for g, row in zip(groups, rows):
+        for i, lay in zip(g, split_layout(row, [trees[i] for i in g])):
+            out[i] = lay
+    return out, lengths

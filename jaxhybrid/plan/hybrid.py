@@ -255,7 +255,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         return est
 
     # The lock-step pipeline.
-    work = (sched.fwd >= 0) * F[None, :] + (sched.bwd >= 0) * B[None, :]
+    work = sched.work(F, B)
     ticks = _tick_times(work, hw, data)
     est.compute_time = float(ticks.sum())
     per_tick_comm = 0.0

@@ -45,6 +45,7 @@ class Plan:
     topology: str | None = None
     memory_model: str = "per_stage"             # "spmd": buffers padded to the largest stage
     device_memory: float | None = None          # spmd: bytes every device allocates
+    virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
 
     def __post_init__(self):
         S = self.num_stages
@@ -80,7 +81,9 @@ class Plan:
         return np.array(self.stage_fwd_time) + half, np.array(self.stage_bwd_time) + half
 
     def schedule_table(self):
-        return make_schedule(self.schedule, self.num_stages, self.num_microbatches)
+        opts = {"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}
+        return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
+                             self.num_microbatches, **opts)
 
     @property
     def predicted_step_time(self) -> float:
@@ -139,29 +142,18 @@ class Plan:
         return cls(**d)
 
     def plot(self, path: str) -> None:
-        """PNG: Gantt chart of the schedule with this plan's per-stage tick costs, and the
-        per-stage memory against the budget."""
+        """PNG: the schedule's Gantt chart with this plan's per-stage costs (drawn by
+        `Schedule.plot`, the one plotter), and the per-stage memory against the budget
+        (`<path stem>_memory.png`)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        sched = self.schedule_table()
         f, b = (1e3 * x for x in self._tick_costs())
-        starts = np.concatenate([[0.0], np.cumsum(sched.tick_times(f, b))])
+        self.schedule_table().plot(path, f, b, title=(
+            f"{self.schedule} S={self.num_stages} M={self.num_microbatches}: step "
+            f"{1e3 * self.predicted_step_time:.3g} ms, bubble {self.bubble_fraction:.2f} (ms)"))
         S = self.num_stages
-        fig, (ax, axm) = plt.subplots(1, 2, figsize=(max(8.0, 0.3 * sched.num_ticks + 4), 0.5 * S + 2),
-                                      gridspec_kw={"width_ratios": [3, 1]})
-        for t in range(sched.num_ticks):
-            for s in range(S):
-                x = starts[t]
-                for table, w, color in ((sched.fwd, f[s], "tab:blue"), (sched.bwd, b[s], "tab:orange")):
-                    if table[t, s] >= 0:
-                        ax.barh(s, w, left=x, color=color, edgecolor="k", linewidth=0.4)
-                        x += w
-        ax.set_yticks(range(S), [f"stage {s}" for s in range(S)])
-        ax.invert_yaxis()
-        ax.set_xlabel("ms (forward blue, backward orange)")
-        ax.set_title(f"{self.schedule} S={S} M={self.num_microbatches}: step "
-                     f"{1e3 * self.predicted_step_time:.3g} ms, bubble {self.bubble_fraction:.2f}")
+        fig, axm = plt.subplots(figsize=(5, 0.5 * S + 2))
         top = max([*self.stage_memory, self.memory_budget or 0, self.device_memory or 0])
         unit, scale = next(((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
                             if top >= f), ("B", 1.0))
@@ -174,11 +166,13 @@ class Plan:
             axm.axvline(self.memory_budget / scale, color="k", linestyle="--", label="budget")
         if self.memory_budget or self.device_memory is not None:
             axm.legend(loc="lower right", fontsize=7)
-        axm.set_yticks(range(S), [f"{sum(self.remat[a:b])} remat" for a, b in self.stage_ranges])
+        axm.set_yticks(range(S), [f"stage {s}: {sum(self.remat[a:b])} remat"
+                                  for s, (a, b) in enumerate(self.stage_ranges)])
         axm.invert_yaxis()
         axm.set_xlabel(f"memory per device ({unit})")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        stem = path[:-4] if path.endswith(".png") else path
+        fig.savefig(f"{stem}_memory.png", dpi=100)
         plt.close(fig)
 
 
@@ -200,7 +194,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               memory_budget: float | str | None = None, objective: str = "bottleneck",
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
-              boundaries: Sequence[int] | None = None, memory_model: str = "spmd") -> Plan:
+              boundaries: Sequence[int] | None = None, memory_model: str = "spmd",
+              virtual_stages: int = 1) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -216,8 +211,16 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
     if microbatch_size is not None and microbatch_size != costs[0].batch_size:
         costs = [c.scaled(microbatch_size) for c in costs]
-    S, M, L = int(num_stages), int(num_microbatches), len(costs)
-    sched = make_schedule(schedule, S, M)   # validates the name and sizes early
+    M, L = int(num_microbatches), len(costs)
+    # Validates the name and sizes early; `schedule` may be a Schedule (e.g. interleaved
+    # with virtual stages: then num_stages devices hold S x v stages, planned as such).
+    sched = make_schedule(schedule, int(num_stages), M,
+                          **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {}))
+    S, v = sched.num_stages, sched.virtual_stages
+    schedule = sched.name
+    if v > 1 and topology is not None:
+        raise ValueError("make_plan: a topology with virtual stages is not modelled yet; "
+                         "drop topology= or use a schedule without virtual stages.")
     if isinstance(topology, str):
         topology = Topology.from_spec(topology)
     if topology is not None and topology.n < S * data:
@@ -258,7 +261,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if budget is not None and memory_model == "spmd":
         remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor)
     elif budget is not None:
-        remat = choose_remat(costs, cuts, sched.in_flight(), budget,
+        remat = choose_remat(costs, cuts, sched.stage_in_flight(), budget,
                              param_state_factor=param_state_factor)
     e = [0, *cuts, L]
     fwd = np.array([sum(c.fwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
@@ -267,7 +270,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if memory_model == "spmd":
         mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
     else:
-        mem = stage_memory(costs, cuts, sched.in_flight(), remat, param_state_factor=param_state_factor)
+        mem = stage_memory(costs, cuts, sched.stage_in_flight(), remat,
+                           param_state_factor=param_state_factor)
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -277,7 +281,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
-                memory_model=memory_model, device_memory=device_mem)
+                memory_model=memory_model, device_memory=device_mem, virtual_stages=v)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,

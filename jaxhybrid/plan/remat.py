@@ -182,10 +182,11 @@ def _spmd_terms(costs, ranges, schedule, param_state_factor):
     params = max(sum(c.param_bytes for c in costs[a:b]) for a, b in ranges)
     state = max(sum(c.state_bytes for c in costs[a:b]) for a, b in ranges)
     act = max([costs[b - 1].out_bytes for a, b in ranges if b < L], default=0)
-    inbox_rows = schedule.slots("act") + 1 + schedule.slots("grad") + 1
+    rings = schedule.ring_slots()[1]
+    inbox_rows = rings["act"] + 1 + rings["grad"] + 1
     fixed = ((param_state_factor + 1) * params + state + inbox_rows * act
              + schedule.num_microbatches * costs[0].in_bytes)
-    return float(fixed), schedule.slots("stash") + 2
+    return float(fixed), rings["stash"] + 2
 
 
 def _act_grads(costs, a, b) -> float:

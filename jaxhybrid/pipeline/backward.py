@@ -1,0 +1,122 @@
+"""A stage's backward from stashed residuals: whole, or split into B (input gradient) and
+W (weight gradient) without recomputing anything.
+
+`Residuals` turns the vjp function of a stage's forward into stashable leaves (parameters
+are not stashed: the backward re-reads them from the stage buffers). `SplitBackward`
+traces the backward once to a jaxpr and partitions its equations: B gets every equation
+the input gradient needs; W gets the rest of what the parameter gradient needs, reading
+the values B computed that it uses (the intermediate cotangents) from a stash. So W runs
+no forward operation and repeats no B operation (`tests/test_schedules_runtime.py`
+checks its jaxpr).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.extend import core as jcore
+
+PyTree = Any
+
+
+class Residuals:
+    """Splits a vjp function into stashable residual leaves and parameters.
+
+    `jax.vjp` returns a pytree (a Partial) whose leaves are the residuals. Leaves that are
+    the very parameter arrays passed in are not stashed. The structure is recorded per
+    stage when its forward is traced and reused when its backward is traced."""
+
+    def __init__(self):
+        self.meta: dict = {}
+
+    def split(self, stage: int, vjp_fn, params: PyTree) -> list:
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        where = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+        kinds = tuple(where.get(id(l)) for l in leaves)
+        self.meta[stage] = (treedef, kinds)
+        return [l for l, k in zip(leaves, kinds) if k is None]
+
+    def rebuild(self, stage: int, kept: Sequence, params: PyTree):
+        treedef, kinds = self.meta[stage]
+        p, it = jax.tree.leaves(params), iter(kept)
+        return jax.tree.unflatten(treedef, [p[k] if k is not None else next(it) for k in kinds])
+
+
+def _read(env: dict, v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _run(eqns, env: dict) -> None:
+    """Evaluates equations in order into `env` (as jax's own jaxpr interpreter does)."""
+    for eqn in eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*(_read(env, v) for v in eqn.invars), **params)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+
+
+class SplitBackward:
+    """bwd(params leaves, residual leaves, cotangent leaves) -> (param grads, input grads),
+    split into `input_half` (B) and `weight_half` (W) over one trace.
+
+    input_half(p, res, ct) -> (input grads, crossing values for W)
+    weight_half(p, res, ct, crossing) -> param grads
+    `crossing_avals` gives the stash layout of the crossing values."""
+
+    def __init__(self, bwd, p_avals: list, res_avals: list, ct_avals: list, num_param_grads: int):
+        closed = jax.make_jaxpr(bwd)(p_avals, res_avals, ct_avals)
+        jaxpr = closed.jaxpr
+        self._consts = dict(zip(jaxpr.constvars, closed.consts))
+        self._invars = list(jaxpr.invars)
+        outs = list(jaxpr.outvars)
+        self._gp_out, self._gx_out = outs[:num_param_grads], outs[num_param_grads:]
+        producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+
+        def needed(targets) -> set:
+            keep, stack = set(), [v for v in targets if not isinstance(v, jcore.Literal)]
+            while stack:
+                i = producer.get(stack.pop())
+                if i is None or i in keep:
+                    continue
+                keep.add(i)
+                stack.extend(v for v in jaxpr.eqns[i].invars if not isinstance(v, jcore.Literal))
+            return keep
+
+        b_idx = needed(self._gx_out)
+        w_idx = needed(self._gp_out) - b_idx
+        self._b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
+        self._w_eqns = [jaxpr.eqns[i] for i in sorted(w_idx)]
+        made_by_b = {v for e in self._b_eqns for v in e.outvars}
+        reads = [v for e in self._w_eqns for v in e.invars] + self._gp_out
+        seen, crossing = set(), []
+        for v in reads:
+            if not isinstance(v, jcore.Literal) and v in made_by_b and v not in seen:
+                seen.add(v)
+                crossing.append(v)
+        self._crossing = crossing
+        self.crossing_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in crossing]
+        self.num_weight_eqns = len(self._w_eqns)
+
+    def _env(self, p, res, ct) -> dict:
+        env = dict(self._consts)
+        env.update(zip(self._invars, [*jax.tree.leaves(p), *res, *ct]))
+        return env
+
+    def input_half(self, p, res: list, ct: list) -> tuple[list, list]:
+        env = self._env(p, res, ct)
+        _run(self._b_eqns, env)
+        return [_read(env, v) for v in self._gx_out], [env[v] for v in self._crossing]
+
+    def weight_half(self, p, res: list, ct: list, crossing: list) -> list:
+        env = self._env(p, res, ct)
+        env.update(zip(self._crossing, crossing))
+        _run(self._w_eqns, env)
+        return [_read(env, v) for v in self._gp_out]
+
+    def weight_primitives(self) -> list[str]:
+        """Names of the primitives W runs (for tests: no forward op may appear)."""
+        return [e.primitive.name for e in self._w_eqns]

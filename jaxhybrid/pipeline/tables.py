@@ -1,0 +1,131 @@
+"""A schedule -> the integer control table the runtime reads, tick by tick (pure numpy).
+
+Per (tick, device) the table names the task of each kind (stage, microbatch) and the ring
+buffer slots it reads and writes; per transfer channel, the slot where what arrives this
+tick lands. Slots come from `Schedule.ring_slots` (interval colouring per device), so
+ring sizes are what the table needs (1F1B keeps O(S) microbatches, GPipe O(M)). Slot
+`size` (one past the last) is a dummy row that absorbs the writes of idle slots.
+
+Channels: a value produced on device d for a stage on device d' moves by
+`ppermute` over the channel (d' - d) mod S — +1 for 1F1B and interleaved (the last
+device wraps to the first), -1 too for a V-shape, and 0 (local, no collective) for
+a V's turn or for consecutive stages on one device.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxhybrid.schedules import IDLE, Schedule, TaskType
+
+# Columns of the control table.
+COLUMNS = ("f_stage", "f_mb", "f_act", "f_stash",
+           "b_stage", "b_mb", "b_grad", "b_stash", "b_cross",
+           "w_stage", "w_mb", "w_grad", "w_stash", "w_cross",
+           "u_stage")
+COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """One direction of transfer: devices d -> (d + shift) mod S, with `perm` the pairs
+    actually used (empty for shift 0: kept on the device)."""
+    shift: int
+    perm: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Ticks [start, stop) compiled as one scan, with the kinds of work some device does."""
+    start: int
+    stop: int
+    kinds: frozenset              # TaskTypes run in these ticks
+    act_channels: tuple           # indices of activation channels used
+    grad_channels: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlTable:
+    table: np.ndarray             # [ticks, devices, len(COLUMNS)] int32
+    act_recv: np.ndarray          # [ticks, devices, channels] slot for arriving activations
+    grad_recv: np.ndarray         # [ticks, devices, channels]
+    act_channels: tuple
+    grad_channels: tuple
+    sizes: dict                   # ring sizes: act, grad, stash, cross
+    phases: tuple
+
+
+def _channels(sched: Schedule, edges: list) -> tuple:
+    """Channels for transfers (src device, dst device)."""
+    S = sched.num_devices
+    shifts = sorted({(dst - src) % S for src, dst in edges})
+    return tuple(Channel(sh, tuple(sorted({(a, b) for a, b in edges if (b - a) % S == sh and sh})))
+                 for sh in shifts)
+
+
+def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
+    S, K, T = sched.num_devices, sched.num_stages, sched.num_ticks
+    dev = sched.stage_device
+    (act_slot, grad_slot, stash_slot, cross_slot), sizes = sched.ring_slots()
+    act_edges = [(dev[k - 1], dev[k]) for k in range(1, K)]
+    grad_edges = [(dev[k + 1], dev[k]) for k in range(K - 1)]
+    act_ch, grad_ch = _channels(sched, act_edges), _channels(sched, grad_edges)
+    tab = np.zeros((T, S, len(COLUMNS)), np.int32)
+    for name in COLUMNS:
+        tab[..., COL[name]] = IDLE if name.endswith(("stage", "mb")) else 0
+    tab[..., COL["f_act"]], tab[..., COL["b_grad"]] = sizes["act"], sizes["grad"]
+    tab[..., COL["w_grad"]] = sizes["grad"]
+    tab[..., COL["f_stash"]] = tab[..., COL["b_stash"]] = tab[..., COL["w_stash"]] = sizes["stash"]
+    tab[..., COL["b_cross"]] = tab[..., COL["w_cross"]] = sizes["cross"]
+    act_recv = np.full((T, S, len(act_ch)), sizes["act"], np.int32)
+    grad_recv = np.full((T, S, len(grad_ch)), sizes["grad"], np.int32)
+    shift_of = lambda chans, a, b: [c.shift for c in chans].index((b - a) % S)
+    for t in sched.tasks:
+        row, k, m = tab[t.tick, t.device], t.stage, t.microbatch
+        if t.kind == TaskType.F:
+            row[COL["f_stage"]], row[COL["f_mb"]] = k, m
+            row[COL["f_stash"]] = stash_slot[(dev[k], (k, m))]
+            if k > 0:
+                row[COL["f_act"]] = act_slot[(dev[k], (k, m))]
+            if k < K - 1:   # the output lands at stage k+1's device at the end of this tick
+                act_recv[t.tick, dev[k + 1], shift_of(act_ch, dev[k], dev[k + 1])] = \
+                    act_slot[(dev[k + 1], (k + 1, m))]
+        elif t.kind in (TaskType.B, TaskType.W):
+            p = "b" if t.kind == TaskType.B else "w"
+            row[COL[f"{p}_stage"]], row[COL[f"{p}_mb"]] = k, m
+            row[COL[f"{p}_stash"]] = stash_slot[(dev[k], (k, m))]
+            if k < K - 1:
+                row[COL[f"{p}_grad"]] = grad_slot[(dev[k], (k, m))]
+            if sched.split_backward:
+                row[COL[f"{p}_cross"]] = cross_slot[(dev[k], (k, m))]
+            if t.kind == TaskType.B and k > 0:
+                grad_recv[t.tick, dev[k - 1], shift_of(grad_ch, dev[k], dev[k - 1])] = \
+                    grad_slot[(dev[k - 1], (k - 1, m))]
+        else:
+            row[COL["u_stage"]] = k
+    return ControlTable(tab, act_recv, grad_recv, act_ch, grad_ch, sizes,
+                        tuple(_phases(sched, tab, act_recv, grad_recv, sizes, max_phases)))
+
+
+def _phases(sched: Schedule, tab, act_recv, grad_recv, sizes, max_phases: int) -> list:
+    """Maximal runs of ticks with the same kinds of work (warm-up, steady state,
+    cool-down). Each phase is one more compiled copy of the stage branches, so a table
+    that alternates more often runs as one scan."""
+    T = tab.shape[0]
+    kinds_at = []
+    for t in range(T):
+        kinds_at.append(frozenset(kind for kind, col in zip(
+            TaskType, ("f_stage", "b_stage", "w_stage", "u_stage")) if (tab[t, :, COL[col]] >= 0).any()))
+
+    def phase(a: int, b: int) -> Phase:
+        kinds = frozenset().union(*kinds_at[a:b])
+        used = lambda recv, idle: tuple(c for c in range(recv.shape[2]) if (recv[a:b, :, c] != idle).any())
+        return Phase(a, b, kinds, used(act_recv, sizes["act"]), used(grad_recv, sizes["grad"]))
+
+    out, start = [], 0
+    for t in range(1, T + 1):
+        if t == T or kinds_at[t] != kinds_at[start]:
+            out.append(phase(start, t))
+            start = t
+    return out if len(out) <= max_phases else [phase(0, T)]
