@@ -37,7 +37,7 @@ class ResNet(nn.Module):
     def __call__(self, x, train: bool = False):
         x = nn.Conv(4, (3, 3))(x)
         x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
-        for _ in range(3):
+        for _ in range(2):
             x = ResBlock(4)(x, train)
         return nn.Dense(5)(x.mean(axis=(1, 2)))
 
@@ -63,7 +63,7 @@ class TiedLM(nn.Module):
         embed = nn.Embed(self.vocab, 16)
         x = embed(ids) + self.param("pos", nn.initializers.normal(0.02), (ids.shape[1], 16))
         x = nn.Dropout(0.1, deterministic=not train)(x)
-        for _ in range(3):
+        for _ in range(2):
             x = DecoderBlock()(x, train)
         return embed.attend(nn.LayerNorm()(x))
 
@@ -159,7 +159,7 @@ def _close(got, want, what):
                                    atol=1e-5 * max(1.0, float(np.abs(b).max())), err_msg=what)
 
 
-def _run(name, data, pipe_size, schedule, M, max_pieces=32, planner=False):
+def _run(name, data, pipe_size, schedule, M, max_pieces=8, planner=False):
     model, native = _native(name)
     _, batch, loss_fn, dropout = CASES[name]
     x, t = batch(data * M * 2, seed=data + M)
@@ -177,24 +177,22 @@ def _run(name, data, pipe_size, schedule, M, max_pieces=32, planner=False):
     ref_loss, ref_grads, ref_new = jp.reference_value_and_grad(
         [model], [native], loss_fn, x, t, data=data, num_microbatches=M, rng=rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    _close(pipe.unpack({**variables, "params": grads})["params"], ref_grads[0]["params"], "grads")
+    _close(pipe.unpack({**variables, "params": grads})["params"], ref_grads[0], "grads")
     if "batch_stats" in native:
         _close(pipe.unpack(new)["batch_stats"], ref_new[0]["batch_stats"], "batch_stats")
-    return pipe, variables
+    return pipe, variables, grads
 
 
 @pytest.mark.parametrize("name,data,pipe_size,schedule,M", [
-    ("resnet", 2, 4, "1f1b", 3), ("resnet", 1, 2, "gpipe", 2),
-    ("tied_lm", 2, 2, "1f1b", 2), ("tied_lm", 1, 4, "gpipe", 4),
-    ("skip", 1, 4, "1f1b", 2), ("skip", 4, 2, "gpipe", 1),
-    ("scan", 2, 4, "1f1b", 2),
+    ("resnet", 2, 4, "1f1b", 3), ("tied_lm", 1, 4, "gpipe", 2),
+    ("skip", 1, 4, "1f1b", 2), ("skip", 4, 2, "gpipe", 1), ("scan", 2, 4, "1f1b", 2),
 ])
 def test_split_matches_unsplit_model(name, data, pipe_size, schedule, M):
     _run(name, data, pipe_size, schedule, M)
 
 
 def test_planner_chooses_cuts_for_a_module():
-    pipe, variables = _run("resnet", 2, 2, "1f1b", 2, planner=True)
+    pipe, variables, _ = _run("resnet", 2, 2, "gpipe", 2, planner=True)
     # apply equals the model's own apply on the unpacked variables.
     model, _ = _native("resnet")
     x = _images(8, seed=5)[0]
@@ -204,12 +202,9 @@ def test_planner_chooses_cuts_for_a_module():
 
 
 def test_tied_embedding_is_held_by_two_pieces_and_stays_identical():
-    pipe, variables = _run("tied_lm", 1, 2, "1f1b", 2)
+    pipe, variables, grads = _run("tied_lm", 2, 2, "1f1b", 2)
     shared = pipe.splitter.split.shared_variables()
     assert "Embed_0/embedding" in shared and len(shared["Embed_0/embedding"]) >= 2
-    _, native = _native("tied_lm")
-    x, t = _tokens(4)
-    _, grads, _ = pipe.value_and_grad(xent)(variables, x, t, RNG)
     # Every packed copy holds the summed gradient: an optimizer keeps copies identical.
     copies = [v["params"]["Embed_0/embedding"] for v in _per_piece(pipe, {**variables, "params": grads})
               if "Embed_0/embedding" in v.get("params", {})]

@@ -59,6 +59,10 @@ def _is_key(aval) -> bool:
     return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
 
 
+def _wire_dtype(aval):
+    return jnp.uint32 if _is_key(aval) else aval.dtype
+
+
 def _to_wire(v, aval):
     return jax.random.key_data(v) if _is_key(aval) else v
 
@@ -87,7 +91,7 @@ class SplitModel:
         self._peaks = device_peak()
         self._cache: dict = {}
         self._x_tree = jax.tree.structure(sample_inputs)
-        x_abs = _abstract(sample_inputs)
+        x_abs = self._x_abs = _abstract(sample_inputs)
         t = self._traced(x_abs, True)
         self.structure = t.prog.structure()
         self.num_candidates = len(C.candidates(t))
@@ -158,6 +162,15 @@ class SplitModel:
             self._cache[key] = (t, segs)
         return self._cache[key]
 
+    def _marker_dtype(self, train: bool, k: int):
+        key = ("marker", train, k)
+        if key not in self._cache:
+            t, segs = self._segments(self._x_abs, train)
+            sized = [(t.prog.nbytes(i), _wire_dtype(t.prog.avals[i])) for i in segs[k].live_out]
+            sized = [d for n, d in sorted(sized, key=lambda nd: -nd[0]) if n > 0]
+            self._cache[key] = sized[0] if sized else jnp.float32
+        return self._cache[key]
+
     # --- running a piece -----------------------------------------------------------
     def var_name(self, key) -> tuple[str, str]:
         j, a, b = key
@@ -177,12 +190,17 @@ class SplitModel:
                 raise ValueError(f"Splitter: the model was split for inputs structured as "
                                  f"{self._x_tree}, got {tree}.")
             x_abs = jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves])
-            markers = tuple(jnp.zeros((*l.shape, 0), l.dtype) for l in leaves)
         else:
             markers, leaves = x
-            x_abs = jax.tree.unflatten(self._x_tree, [jax.ShapeDtypeStruct(m.shape[:-1], m.dtype)
-                                                      for m in markers])
+            x_abs = jax.tree.unflatten(self._x_tree, [
+                jax.ShapeDtypeStruct(m.shape[:-1], a.dtype)
+                for m, a in zip(markers, jax.tree.leaves(self._x_abs))])
         t, segs = self._segments(x_abs, train)
+        if not last:
+            # Zero-size arrays with the model inputs' shapes, in a dtype this boundary
+            # already carries (packing needs every dtype it sees to have a buffer).
+            dtype = self._marker_dtype(train, k)
+            markers = tuple(jnp.zeros((*l.shape, 0), dtype) for l in jax.tree.leaves(x_abs))
         seg = segs[k]
         env = dict(t.prog.consts)
         for key in self.piece_keys[k]:
