@@ -217,7 +217,7 @@ class Checkpointer:
         JSON-able `meta` as step `step`. Every process calls this. Asynchronous: the
         write finishes in the background (see `wait`)."""
         portable = to_portable(pipe, state)
-        meta = {**meta, "step": int(step),
+        meta = {**meta, "step": int(step), "processes": jax.process_count(),
                 "layout": {"data": pipe.data, "pipe": pipe.num_stages,
                            "boundaries": [int(b) for b in pipe.boundaries]}}
         self._manager.save(int(step), args=ocp.args.Composite(

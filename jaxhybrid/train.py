@@ -12,6 +12,7 @@ file in the workdir is written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -21,13 +22,14 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from absl import logging
 
 import jaxhybrid as jh
-from jaxhybrid import checkpoint, config_flags, data, models
+from jaxhybrid import checkpoint, config_flags, data, distributed, models
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA
 
@@ -45,14 +47,18 @@ class TrainingDiverged(FloatingPointError):
 @dataclasses.dataclass
 class Run:
     """What `prepare` built from a valid config (nothing is on disk yet).
-    train_batches() -> iterator of (inputs, targets) numpy batches, the same stream on
-    every call; eval_batches() -> iterator of (inputs, targets, mask), mask False on
-    padding rows."""
+    train_batches(start=0) -> iterator of (inputs, targets) numpy batches from batch
+    `start` of the stream (the same stream on every call); eval_batches() -> iterator of
+    (inputs, targets, mask), mask False on padding rows. Both hold this process's rows
+    of every global batch (`data.process_rows`; all rows with one process).
+    sample_inputs: inputs shaped like one global batch (for `Pipeline.init`), the same
+    on every process."""
     spec: models.ModelSpec
     mesh: Any
     pipe: jp.Pipeline
-    train_batches: Callable[[], Iterator]
+    train_batches: Callable[..., Iterator]
     eval_batches: Callable[[], Iterator]
+    sample_inputs: Any = None
 
 
 # --- validation ---------------------------------------------------------------------
@@ -120,25 +126,53 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
              f"pipeline.num_microbatches = {n_data} x {m} = {n_data * m}; use a multiple of "
              f"{n_data * m}.")
     try:
-        pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=m, schedule=p.schedule,
-                           boundaries=None if p.boundaries is None else list(p.boundaries),
-                           remat=p.remat, memory_budget=p.memory_budget)
+        pipe = _pipeline(config, spec, mesh)
     except ValueError as e:
         raise ConfigError(f"pipeline: {e}") from None
+    try:
+        rows = data.process_rows(mesh, t.batch_size)
+    except ValueError as e:
+        raise ConfigError(f"mesh (config.mesh.data/pipe, {jax.process_count()} processes): "
+                          f"{e}") from None
     try:
         if train_data is None:
             train_ds = _dataset(config, spec, "train")
             _require(train_ds.steps_per_epoch >= 1,
                      f"train.batch_size={t.batch_size} exceeds the {train_ds.num_examples} "
                      f"training examples; use a smaller batch.")
-            train_data = train_ds.batches
-        if eval_data is None:
-            eval_data = _dataset(config, spec, "test").eval_batches
+            train_batches = functools.partial(train_ds.batches, rows=rows)
+            first = next(train_ds.batches(rows=slice(0, 1)))[0]
+        else:
+            train_batches = _process_share(train_data, rows)
+            first = next(iter(train_data()))[0]
+        eval_batches = (functools.partial(_dataset(config, spec, "test").eval_batches, rows=rows)
+                        if eval_data is None else _process_share(eval_data, rows))
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"data: {e}") from None
-    return Run(spec, mesh, pipe, train_data, eval_data)
+    # The first real example, repeated to a global batch, stands in for the planner's
+    # sample (exact shapes and dtypes, the same on every process).
+    sample = jax.tree.map(lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
+    return Run(spec, mesh, pipe, train_batches, eval_batches, sample)
+
+
+def _pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeline:
+    p = config.pipeline
+    if boundaries is None and p.boundaries is not None:
+        boundaries = list(p.boundaries)
+    return jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=p.num_microbatches,
+                       schedule=p.schedule, boundaries=boundaries,
+                       remat=p.remat if remat is None else remat,
+                       memory_budget=p.memory_budget if remat is None else None)
+
+
+def _process_share(stream: Callable[[], Iterable], rows: slice) -> Callable[..., Iterator]:
+    """A stream of global batches -> this process's rows of each, from batch `start`."""
+    def batches(start: int = 0):
+        for batch in itertools.islice(stream(), start, None):
+            yield jax.tree.map(lambda a: np.asarray(a)[rows], tuple(batch))
+    return batches
 
 
 def _dataset(config, spec, split):
@@ -202,20 +236,31 @@ def make_train_step(run: Run, t):
 
 
 # --- evaluation ---------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def metric_sums(metrics_fn, outputs, targets, mask):
+    """({metric: sum over kept rows of value x count}, sum of counts): metrics_fn per
+    row (its "count", default 1, weighs it), rows where mask is False left out. Runs
+    where the outputs are, so no process gathers the outputs of the others."""
+    one = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    rows = jax.vmap(lambda o, t: metrics_fn(one(o), one(t)))(outputs, targets)
+    count = rows.pop("count", jnp.ones(mask.shape, jnp.float32))
+    weight = count * mask
+    return {k: jnp.sum(v * weight) for k, v in rows.items()}, jnp.sum(weight)
+
+
 def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
     """Metrics over the test split (all of it, or the first `max_batches` batches):
-    padded rows are dropped by the mask, batches weighed by the metrics' "count"."""
+    padded rows are dropped by the mask, examples weighed by the metrics' "count"."""
     totals, weight = {}, 0.0
     batches = run.eval_batches()
     for inputs, targets, mask in itertools.islice(batches, max_batches or None):
-        outputs = jax.device_get(run.pipe.apply(variables, data.place_batch(inputs, run.mesh)))
-        keep = np.asarray(mask, bool)
-        real = lambda tree: jax.tree.map(lambda a: np.asarray(a)[keep], tree)
-        m = {k: float(v) for k, v in run.spec.metrics_fn(real(outputs), real(targets)).items()}
-        count = m.pop("count", float(keep.sum()))
-        for k, v in m.items():
-            totals[k] = totals.get(k, 0.0) + v * count
-        weight += count
+        inputs, targets, mask = data.place_batch((inputs, targets, np.asarray(mask, bool)),
+                                                 run.mesh)
+        outputs = run.pipe.apply(variables, inputs)
+        sums, count = metric_sums(run.spec.metrics_fn, outputs, targets, mask)
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        weight += float(count)
     return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
 
 
@@ -269,13 +314,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     base_rng = jax.random.key(t.seed)
     init_rng, train_rng = jax.random.split(base_rng)
 
-    # The first real batch stands in for the planner's sample (exact shapes and dtypes).
-    variables = pipe.init(init_rng, next(iter(run.train_batches()))[0])
+    main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
+    variables = pipe.init(init_rng, run.sample_inputs)
     planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
+    if planned and jax.process_count() > 1:
+        run, variables = _adopt_process_0_plan(run, config, init_rng, variables)
+        pipe = run.pipe
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
-    logging.info("model %s/%s on mesh data=%d x pipe=%d, stage boundaries %s\n%s",
-                 config.model.name, config.model.size, pipe.data, pipe.num_stages,
-                 pipe.boundaries, pipe.plan.summary() if planned else "")
+    if main:
+        logging.info("model %s/%s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
+                     "%s\n%s", config.model.name, config.model.size, pipe.data, pipe.num_stages,
+                     jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
     params = variables["params"]
     opt_init = make_optimizer(t, decay_mask).init
@@ -289,21 +338,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         state, meta = ckpt.restore(pipe, state)
         start = int(meta["step"])
         train_rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
-        logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
-                     meta.get("layout"))
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    writer = MetricWriter(workdir, start)
+        if main:
+            logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
+                         meta.get("layout"))
+    writer = None
+    if main:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        writer = MetricWriter(workdir, start)
     train_step = make_train_step(run, t)
     schedule = learning_rate_schedule(t)
     # Batch k of the (seeded, reproducible) stream is the one step k+1 trains on, so a
     # resumed run skips exactly the batches the saved steps consumed.
-    batches = data.prefetch_to_mesh(itertools.islice(run.train_batches(), start, None),
-                                    run.mesh)
+    batches = data.prefetch_to_mesh(run.train_batches(start=start), run.mesh)
     rng_data = [int(x) for x in np.asarray(jax.random.key_data(train_rng)).reshape(-1)]
     final, window, last_saved = {"step": start}, [], ckpt.latest_step()
     tracing, tick = False, time.time()
     from tqdm import tqdm
-    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=None)
+    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step",
+               disable=None if main else True)
     try:
         for step in range(start + 1, t.steps + 1):
             if config.profile.enabled and step == config.profile.start_step:
@@ -342,7 +394,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                           "steps_per_sec": len(window) / max(now - tick, 1e-9)}
                 if do_eval:
                     record.update(evaluate(run, state["variables"], t.eval_steps))
-                writer.write(record)
+                if writer is not None:
+                    writer.write(record)
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
                 final, window, tick = record, [], time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
@@ -355,7 +408,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
             jax.profiler.stop_trace()
         bar.close()
         ckpt.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
     final["wall_time_s"] = time.time() - started
-    logging.info("done: %s", final)
+    if main:
+        logging.info("done: %s", final)
     return final
+
+
+def _adopt_process_0_plan(run: Run, config, init_rng, variables):
+    """Every process profiles the layers itself and may cut the stages elsewhere; all
+    must run one program, so all take process 0's stages and recomputation."""
+    pipe = run.pipe
+    mine = {"boundaries": [int(b) for b in pipe.boundaries],
+            "remat": list(pipe.remat) if isinstance(pipe.remat, (list, tuple)) else pipe.remat}
+    chosen = distributed.broadcast_json(mine)
+    if chosen == mine:
+        return run, variables
+    logging.info("process %d: taking process 0's plan %s (this process measured %s)",
+                 jax.process_index(), chosen, mine)
+    pipe = _pipeline(config, run.spec, run.mesh, chosen["boundaries"], chosen["remat"])
+    run = dataclasses.replace(run, pipe=pipe)
+    return run, pipe.init(init_rng, run.sample_inputs)

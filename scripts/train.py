@@ -9,6 +9,11 @@
 events and checkpoints; running again in the same workdir resumes from its latest
 checkpoint, also on another mesh layout. On a host without GPUs, jax gets 8 simulated
 CPU devices so the data x pipe mesh of the configs fits.
+
+Several processes (hosts): started by SLURM (srun) or Open MPI (mpirun), the run joins
+them by itself; otherwise give every process --coordinator_address=host:port,
+--num_processes=N and --process_id=i (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID). scripts/launch_local.py starts N such processes on one machine.
 """
 import logging as std_logging
 import os
@@ -24,7 +29,8 @@ def _simulate_cpu_devices() -> None:
     no_gpu = platforms.split(",")[0].strip() == "cpu" or (
         not platforms and shutil.which("nvidia-smi") is None)
     flags = os.environ.get("XLA_FLAGS", "")
-    if no_gpu and "xla_force_host_platform_device_count" not in flags:
+    if (no_gpu and "xla_force_host_platform_device_count" not in flags
+            and "JAX_NUM_CPU_DEVICES" not in os.environ):
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
@@ -33,11 +39,43 @@ _simulate_cpu_devices()
 from absl import app, flags, logging  # noqa: E402  (after the XLA_FLAGS set-up)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxhybrid import config_flags  # noqa: E402
+from jaxhybrid import config_flags, distributed  # noqa: E402
 
 _CONFIG = config_flags.define_config_flag("config", default="inception_hybrid.py")
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: "
                                "/tmp/jaxhybrid/<config name>)")
+# Start-up flags are parsed (and jax.distributed started) before the others: parsing
+# --config runs the config file, which may ask jax for its devices.
+_STARTUP = flags.FlagValues()
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "multi-process: host:port of process 0's coordinator "
+    "(default: $JAX_COORDINATOR_ADDRESS, or what SLURM / Open MPI say)", flag_values=_STARTUP)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "multi-process: number of processes (default: "
+    "$JAX_NUM_PROCESSES or the cluster's)", flag_values=_STARTUP)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "multi-process: this process's id in [0, num_processes) (default: "
+    "$JAX_PROCESS_ID or the cluster's)", flag_values=_STARTUP)
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout", 300, "multi-process: seconds to wait for every process to "
+    "join", flag_values=_STARTUP)
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "multi-process: seconds after which a silent (dead) process "
+    "stops the others with an error naming it", flag_values=_STARTUP)
+flags.FLAGS.append_flag_values(_STARTUP)
+
+
+def _parse_flags(argv):
+    """Start-up flags, jax.distributed (when multi-process), then the other flags."""
+    rest = _STARTUP(argv, known_only=True)
+    try:
+        distributed.initialize(distributed.Settings(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+            initialization_timeout=_INIT_TIMEOUT.value,
+            heartbeat_timeout=_HEARTBEAT_TIMEOUT.value))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    return flags.FLAGS(rest)
 
 
 def _config_arg() -> str:
@@ -58,17 +96,29 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_quiet_orbax)
+    import jax
+    main_process = distributed.is_main_process()
+    if not main_process:                  # logs, progress and metrics: process 0 only
+        logging.set_verbosity(logging.WARNING)
     from jaxhybrid import checkpoint, train
     name = os.path.splitext(os.path.basename(_config_arg().split(":")[0]))[0]
     workdir = _WORKDIR.value or os.path.join("/tmp/jaxhybrid", name)
-    logging.info("config %s, workdir %s", name, workdir)
+    logging.info("config %s, workdir %s, process %d of %d", name, workdir,
+                 jax.process_index(), jax.process_count())
     try:
         result = train.train_and_evaluate(_CONFIG.value, workdir)
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch) as e:
         sys.exit(f"error: {e}")
-    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in result.items()))
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        # A collective failed: usually another process died (its own output says why).
+        sys.exit(f"error: process {jax.process_index()}: {str(e).splitlines()[0]} (if "
+                 f"another process stopped, its output names the cause)")
+    if main_process:
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in result.items()))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

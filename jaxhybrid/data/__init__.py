@@ -31,8 +31,12 @@ size is a multiple of the mesh's data size:
     it = ((x, y) for x, y in my_loader)               # e.g. grain/tfds .as_numpy_iterator()
     for inputs, targets in data.prefetch_to_mesh(it, mesh, size=2): ...
 
-On several hosts each process yields its own share of the global batch;
-`place_batch` assembles the global array. For evaluation, pad the last batch yourself
+On several processes each one loads only its share of every global batch, the rows
+`process_rows(mesh, batch_size)` names (`ds.batches(rows=...)`,
+`ds.eval_batches(rows=...)`), and `place_batch` assembles the global arrays
+(jax.make_array_from_process_local_data); the stream is the same for any number of
+processes. (grain's per-process sharding splits the *examples* between processes, which
+changes the global batches with the process count, so it is not used here.) For evaluation, pad the last batch yourself
 and mark padding the way the model's loss ignores it (label -1 for classifiers, the
 model's pad id for token models), or weigh batches by a mask.
 """
@@ -40,7 +44,8 @@ from __future__ import annotations
 
 from jaxhybrid.data import digits, text, translation
 from jaxhybrid.data.dataset import SPLITS, Dataset, check_options
-from jaxhybrid.data.placement import batch_sharding, place_batch, prefetch_to_mesh
+from jaxhybrid.data.placement import (batch_sharding, place_batch, prefetch_to_mesh,
+                                      process_rows)
 
 DATASETS = {
     "digits": digits.load,
@@ -51,7 +56,7 @@ TASK_DATASETS = {"classification": "digits", "language_model": "stdlib_text",
                  "translation": "translation"}
 
 __all__ = ["DATASETS", "SPLITS", "Dataset", "batch_sharding", "check_options",
-           "for_model", "get_dataset", "place_batch", "prefetch_to_mesh"]
+           "for_model", "get_dataset", "place_batch", "prefetch_to_mesh", "process_rows"]
 
 
 def get_dataset(name: str, split: str, *, batch_size: int, seed: int = 0,

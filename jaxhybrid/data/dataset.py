@@ -90,12 +90,14 @@ class Dataset:
         return inputs, targets
 
     def batches(self, epochs: int | None = None, shuffle: bool = True,
-                start: int = 0) -> Iterator[tuple]:
+                start: int = 0, rows: slice = slice(None)) -> Iterator[tuple]:
         """(inputs, targets) batches of exactly `batch_size`, the remainder of each epoch
         dropped; forever if `epochs` is None. The order of epoch e is a permutation drawn
         from (seed, e), so it is reproducible and differs between epochs. `start=k`
         begins at batch k of that stream without building the k batches before it (to
-        resume training)."""
+        resume training). `rows` keeps only those rows of every batch, and only they are
+        loaded (a process's share, `data.process_rows`): the stream is the same for
+        every split of the rows."""
         if self.steps_per_epoch == 0:
             raise ValueError(f"{self.name}: batch_size={self.batch_size} exceeds the "
                              f"{self.num_examples} examples of split {self.split!r}; "
@@ -104,9 +106,9 @@ class Dataset:
             raise ValueError(f"{self.name}: epochs={epochs!r} must be None or an int >= 0.")
         if not isinstance(start, (int, np.integer)) or start < 0:
             raise ValueError(f"{self.name}: start={start!r} must be an int >= 0.")
-        return self._batches(epochs, shuffle, int(start))
+        return self._batches(epochs, shuffle, int(start), _check_rows(rows, self.batch_size))
 
-    def _batches(self, epochs, shuffle, start):
+    def _batches(self, epochs, shuffle, start, rows):
         n, b = self.num_examples, self.batch_size
         first_epoch, first_step = divmod(start, n // b)
         for epoch in (itertools.count(first_epoch) if epochs is None
@@ -114,23 +116,34 @@ class Dataset:
             order = (np.random.default_rng([self.seed, epoch]).permutation(n) if shuffle
                      else np.arange(n))
             for step in range(first_step if epoch == first_epoch else 0, n // b):
-                yield self._gather(order[step * b:(step + 1) * b])
+                yield self._gather(order[step * b:(step + 1) * b][rows])
 
-    def eval_batches(self) -> Iterator[tuple]:
+    def eval_batches(self, rows: slice = slice(None)) -> Iterator[tuple]:
         """(inputs, targets, mask) over every example exactly once, in order; the last
         batch is padded to `batch_size` with `pad_values` and mask (bool [batch_size])
-        is False on the padding."""
+        is False on the padding. `rows`: only those rows of every batch (see `batches`)."""
         n, b = self.num_examples, self.batch_size
+        rows = _check_rows(rows, b)
         for start in range(0, n, b):
             real = min(b, n - start)
             # Padded rows first gather example 0 (right shapes/dtypes), then get pad values.
             idx = np.concatenate([np.arange(start, start + real),
-                                  np.zeros(b - real, np.int64)])
+                                  np.zeros(b - real, np.int64)])[rows]
+            mask = (np.arange(b) < real)[rows]
             raw = jax.tree.map(lambda a: a[idx], self.examples)
-            if real < b:
+            if not mask.all():
                 def fill(a, value):          # `a` is a fresh copy (fancy indexing)
-                    a[real:] = value
+                    a[~mask] = value
                     return a
                 raw = jax.tree.map(fill, raw, self.pad_values)
             inputs, targets = (raw if self.postprocess is None else self.postprocess(*raw))
-            yield inputs, targets, np.arange(b) < real
+            yield inputs, targets, mask
+
+
+def _check_rows(rows, batch_size: int) -> slice:
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+        raise ValueError(f"rows={rows!r} must be a slice of consecutive batch rows, e.g. "
+                         f"slice(0, {batch_size // 2}).")
+    if len(range(*rows.indices(batch_size))) == 0:
+        raise ValueError(f"rows={rows!r} selects no row of a batch of {batch_size}.")
+    return rows

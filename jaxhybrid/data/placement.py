@@ -27,6 +27,26 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA))
 
 
+def process_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows of every global batch of `batch_size` that this process loads: those of
+    the data replicas on its devices (all rows with one process, or when "data" does not
+    cross processes). `place_batch` assembles the processes' rows into global arrays."""
+    if batch_size % mesh.shape[DATA]:
+        raise ValueError(f"process_rows: batch size {batch_size} is not divisible by the "
+                         f"mesh's data axis ({mesh.shape[DATA]}); use a multiple of it.")
+    index = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    if not index:
+        raise ValueError(f"process_rows: process {jax.process_index()} has no device in the "
+                         f"mesh; build the mesh over all {jax.device_count()} devices.")
+    spans = sorted({idx[0].indices(batch_size)[:2] for idx in index.values()})
+    lo, hi = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != hi - lo:
+        raise ValueError(f"process_rows: the data replicas of process {jax.process_index()} "
+                         f"hold rows {spans}, not one block; order the mesh devices by "
+                         f"process (jaxhybrid.make_mesh does).")
+    return slice(lo, hi)
+
+
 def place_batch(batch: PyTree, mesh: Mesh) -> PyTree:
     """Every leaf of `batch` (numpy or jax arrays, leading dim = examples) as a jax.Array
     sharded P("data") on `mesh`. On several processes each passes its own part of the
