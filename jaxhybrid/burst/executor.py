@@ -6,10 +6,12 @@ in order (device d holds rows d*B/g_l .. (d+1)*B/g_l). Devices d >= g_l skip the
 through a `lax.cond` whose other branch computes nothing (it only fills zeros, or, when
 multiplexing, runs background work: `jaxhybrid.burst.multiplex`).
 
-Width changes move the batch with an `all_gather` at top level — never inside a cond
-branch: every device issues the same collectives in the same order (a collective inside
-a branch that only some devices take deadlocks). Its transpose, a reduce-scatter, carries
-the cotangents back in the backward pass, also at top level.
+Width changes move the batch with `ppermute`s at top level — never inside a cond branch:
+every device issues the same collectives in the same order (a collective inside a branch
+that only some devices take deadlocks). Narrowing from g to g/r devices takes r
+permutations (device j receives the blocks of j*r .. j*r+r-1, one per permutation),
+widening the reverse; only the rows that change device move. Their transposes (the
+reverse permutations) carry the cotangents back in the backward pass, also at top level.
 
 Gradients are taken inside the program w.r.t. each device's own copy of the parameters;
 layer l's gradient is then all-reduced over its g_l devices only (`psum` with
@@ -84,14 +86,41 @@ def _relayout(x: PyTree, g_from: int, g_to: int, batch: int) -> PyTree:
     Top level only (it is a collective)."""
     if g_from == g_to:
         return x
-    d = jax.lax.axis_index(DATA)
+    if g_from > g_to:          # narrowing: device j gathers the blocks of j*r .. j*r+r-1
+        r = g_from // g_to
+
+        def one(a):
+            parts = []
+            for k in range(r):
+                pairs = [(j * r + k, j) for j in range(g_to)]
+                parts.append(a if pairs == [(0, 0)] else _permute(a, pairs))
+            return jnp.concatenate(parts, axis=0)
+        return jax.tree.map(one, x)
+    r = g_to // g_from         # widening: device i scatters its rows to i*r .. i*r+r-1
     n = batch // g_to
-    start = jnp.minimum(d, g_to - 1) * n      # devices >= g_to take any rows: they skip
 
     def one(a):
-        full = jax.lax.all_gather(a, DATA, tiled=True)[:batch]
-        return jax.lax.dynamic_slice_in_dim(full, start, n, axis=0)
+        out = None
+        for k in range(r):
+            pairs = [(i, i * r + k) for i in range(g_from)]
+            part = a[k * n:(k + 1) * n]
+            part = part if pairs == [(0, 0)] else _permute(part, pairs)
+            out = part if out is None else out + part   # receivers get exactly one part
+        return out
     return jax.tree.map(one, x)
+
+
+def _permute(a, pairs):
+    """ppermute over the data axis; a device's own block (i -> i) is kept in place,
+    devices that receive nothing get zeros."""
+    moving = [(s, t) for s, t in pairs if s != t]
+    stay = [s for s, t in pairs if s == t]
+    out = jax.lax.ppermute(a, DATA, moving) if moving else jnp.zeros_like(a)
+    if stay:
+        d = jax.lax.axis_index(DATA)
+        keep = functools.reduce(jnp.logical_or, [d == s for s in stay])
+        out = jnp.where(keep, a, out)
+    return out
 
 
 def groups(g: int, G: int):
