@@ -55,6 +55,7 @@ class ModelSplitter:
     def __init__(self, model, call_kwargs, split: SplitModel | None):
         self.model, self.call_kwargs, self.split = model, dict(call_kwargs or {}), split
         self._checked: set = set()
+        self._costs: dict = {}
 
     def split_at(self, sample, num_stages: int) -> None:
         self.split = SplitModel(self.model, sample, call_kwargs=self.call_kwargs,
@@ -68,6 +69,14 @@ class ModelSplitter:
         self.split_at(pipe._sample, pipe.num_stages)
         pipe.layers = list(self.split.layers)
         pipe._set_layout(even_boundaries(len(pipe.layers), pipe.num_stages), pipe.remat)
+
+    def costs(self, sample):
+        """Per-piece LayerCosts (XLA cost analysis of the lowered pieces), cached."""
+        from jaxhybrid.splitter.costs import piece_costs
+        key = str(jax.tree.map(lambda a: (np.shape(a), jnp.asarray(a).dtype), sample))
+        if key not in self._costs:
+            self._costs[key] = piece_costs(self.split, sample)
+        return self._costs[key]
 
     def init_variables(self, rng, sample_inputs):
         return self.split.init_variables(rng, sample_inputs)
