@@ -120,7 +120,8 @@ class Pipeline:
 
     def _make_plan(self, fixed: bool):
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
-        costs = _profile_cached(self.layers, self._sample)
+        costs = (_profile_cached(self.layers, self._sample) if self.splitter is None
+                 else self.splitter.costs(self._sample))   # lowered pieces, no compiles
         return planner.make_plan(
             costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
             schedule=self.schedule, data=self.data, topology=self.topology,
