@@ -7,7 +7,8 @@ map. Kinds (`TaskType`):
      gradient (the critical path);
   W  the weight-gradient half of a split backward (deferrable; reuses the forward's
      residuals and B's intermediate cotangents, never recomputes the forward);
-  U  apply an optimizer update to one stage's parameters (after its last backward).
+  U  apply an optimizer update to a device's parameters (after the last backward of
+     its stages; with virtual stages it updates all of them, its `stage` is the first).
 `stage` counts model stages: with `virtual_stages=v` a pipeline of S devices has S*v
 stages and device d runs stages d, d+S, d+2S, ... (interleaved), so activations wrap
 from the last device to the first.
@@ -117,23 +118,20 @@ class Schedule:
         return self._grids[TaskType(kind)]
 
     def with_updates(self) -> "Schedule":
-        """The same schedule with a U task per stage after its last backward (synchronous
-        optimizer step inside the pipeline), one per device and tick."""
+        """The same schedule with a U task per device after the last backward of its
+        stages (a synchronous optimizer step inside the pipeline). U updates every stage
+        its device holds (the optimizer's step count advances once per device), so its
+        `stage` is the device's first stage."""
         if any(t.kind == TaskType.U for t in self.tasks):
             return self
         last = TaskType.W if self.split_backward else TaskType.B
-        done = {}
+        done = [-1] * self.num_devices
         for t in self.tasks:
             if t.kind == last:
-                done[t.stage] = max(done.get(t.stage, -1), t.tick)
-        busy = {(t.tick, t.device) for t in self.tasks if t.kind == TaskType.U}
-        tasks = list(self.tasks)
-        for k in sorted(done, key=lambda k: done[k]):
-            tick, d = done[k], self.stage_device[k]
-            while (tick, d) in busy:
-                tick += 1
-            busy.add((tick, d))
-            tasks.append(Task(tick, d, TaskType.U, k))
+                done[t.device] = max(done[t.device], t.tick)
+        first = [self.stage_device.index(d) for d in range(self.num_devices)]
+        tasks = [*self.tasks, *(Task(done[d], d, TaskType.U, first[d])
+                                for d in range(self.num_devices))]
         out = dataclasses.replace(self, tasks=tuple(sorted(tasks)))
         out.validate()
         return out
@@ -256,10 +254,11 @@ class Schedule:
                     raise err(f"B{m} of stage {k} at tick {t} before its gradient arrives")
             if kind == TaskType.W and when[(TaskType.B, k, m)] > t:
                 raise err(f"W{m} of stage {k} at tick {t} before its B")
-            if kind == TaskType.U:
-                last = kinds[-1]
-                if any(when[(last, k, j)] > t for j in range(M)):
-                    raise err(f"U of stage {k} at tick {t} before its last backward")
+            if kind == TaskType.U:   # updates every stage of its device
+                last, d = kinds[-1], self.stage_device[k]
+                mine = [j for j in range(K) if self.stage_device[j] == d]
+                if any(when[(last, j, i)] > t for j in mine for i in range(M)):
+                    raise err(f"U of device {d} at tick {t} before its last backward")
 
     # --- pictures --------------------------------------------------------------------
     def chart(self) -> str:

@@ -10,30 +10,38 @@ import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import apply_layer
 from jaxhybrid.pipeline.stages import even_boundaries
+from jaxhybrid.schedules import SCHEDULES, make_schedule
 
 import mixed_model as mm
 
 LAYERS = mm.make_layers()  # 8 layers: conv+BN, conv+BN, flatten/embed, 4 x (dense, LN, dropout), head
 RNG = jax.random.key(42)
 MESHES = [(1, 1), (1, 2), (2, 2), (1, 4), (2, 4), (4, 2), (1, 8), (8, 1)]
+# The meshes every schedule is checked on (besides the two-stage ones above).
+SCHEDULE_MESHES = [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8)]
 
 
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+# 8 layers: 2 virtual stages per device need 2 x pipe <= 8 layers; at pipe = 8 the
+# V-shape and interleaved schedules run a longer stack (16 stages).
+WIDE = mm.make_layers(num_mix=12)
+
+
 @functools.lru_cache(maxsize=None)
-def _case(data, M, mb=2):
+def _case(data, M, mb=2, wide=False):
     inputs, labels = mm.make_batch(data * M * mb, seed=data * 100 + M)
-    per_layer = _initial_vars()
-    ref = jp.reference_value_and_grad(LAYERS, per_layer, mm.loss_fn, inputs, labels, data=data,
-                                      num_microbatches=M, rng=RNG)
+    per_layer = _initial_vars(wide)
+    ref = jp.reference_value_and_grad(WIDE if wide else LAYERS, per_layer, mm.loss_fn, inputs,
+                                      labels, data=data, num_microbatches=M, rng=RNG)
     return inputs, labels, ref
 
 
 @functools.lru_cache(maxsize=None)
-def _initial_vars():
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
+def _initial_vars(wide=False):
+    pipe = jp.Pipeline(WIDE if wide else LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
     variables = pipe.init(jax.random.key(0), mm.make_batch(2)[0])
     per_layer = pipe.unpack(variables)
     # Non-trivial batch statistics so that their update is checked too.
@@ -43,14 +51,16 @@ def _initial_vars():
     return per_layer
 
 
-def _check(data, pipe_size, schedule, M, boundaries=None, remat="none"):
-    inputs, labels, (ref_loss, ref_grads, ref_vars) = _case(data, M)
+def _check(data, pipe_size, schedule, M, boundaries=None, remat="none", wide=False):
+    inputs, labels, (ref_loss, ref_grads, ref_vars) = _case(data, M, wide=wide)
+    layers = WIDE if wide else LAYERS
     mesh = jh.make_mesh(data=data, pipe=pipe_size)
+    stages = make_schedule(schedule, pipe_size, M).num_stages
     if boundaries is None:   # the planner's choice is tested in test_planned_pipeline.py
-        boundaries = even_boundaries(len(LAYERS), pipe_size)
-    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=M, schedule=schedule,
+        boundaries = even_boundaries(len(layers), stages)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=M, schedule=schedule,
                        boundaries=boundaries, remat=remat)
-    variables = pipe.pack(_initial_vars())
+    variables = pipe.pack(_initial_vars(wide))
     loss, grads, new_vars = pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     got = pipe.unpack({**variables, "params": grads})
@@ -60,19 +70,25 @@ def _check(data, pipe_size, schedule, M, boundaries=None, remat="none"):
     for g, r in zip(_leaves([v.get("batch_stats", {}) for v in new]),
                     _leaves([v.get("batch_stats", {}) for v in ref_vars])):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-    # Gradients live where the parameters live: one stage per "pipe" position.
+    # Gradients live where the parameters live: one row per "pipe" position.
     assert grads["float32"].sharding.spec == jax.sharding.PartitionSpec("pipe")
     return pipe
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("data,pipe_size", MESHES)
-def test_matches_reference(data, pipe_size, schedule):
-    # M in {1, S, 2S+1}: the M = S case doubles as the M = 1 case when S = 1.
+@pytest.mark.parametrize("data,pipe_size", [m for m in MESHES if m not in SCHEDULE_MESHES])
+def test_1f1b_matches_reference_on_other_meshes(data, pipe_size):
     for M in sorted({1, pipe_size, 2 * pipe_size + 1}):
-        if data * M * 2 > 64:
-            continue
-        _check(data, pipe_size, schedule, M)
+        if data * M * 2 <= 64:
+            _check(data, pipe_size, "1f1b", M)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("data,pipe_size", SCHEDULE_MESHES)
+def test_every_schedule_matches_reference(data, pipe_size, schedule):
+    # M in {1, S, 2S+1}; every schedule takes every M >= 1.
+    for M in sorted({1, pipe_size, 2 * pipe_size + 1}):
+        stages = make_schedule(schedule, pipe_size, M).num_stages
+        _check(data, pipe_size, schedule, M, wide=stages > len(LAYERS))
 
 
 def test_uneven_boundaries_and_remat():
@@ -80,6 +96,22 @@ def test_uneven_boundaries_and_remat():
     _check(1, 4, "1f1b", 3, boundaries=[1, 2, 7], remat=["full", "none", "dots_saveable", "none"])
     _check(2, 2, "gpipe", 2, boundaries=[5], remat="full")
     _check(1, 2, "1f1b", 2, remat=[i % 2 == 0 for i in range(len(LAYERS))])
+    # Recomputation inside split backwards and virtual stages.
+    _check(1, 2, "zb-h1", 3, remat="full")
+    _check(2, 2, "interleaved", 3, boundaries=[1, 3, 7], remat=[True, False] * 4)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_apply_on_every_stage_map(schedule):
+    inputs, _ = mm.make_batch(12)
+    x = inputs
+    for layer, v in zip(LAYERS, _initial_vars()):
+        x, _ = apply_layer(layer, v, x, train=False)
+    stages = make_schedule(schedule, 2, 3).num_stages
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=3,
+                       schedule=schedule, boundaries=even_boundaries(len(LAYERS), stages))
+    out = pipe.apply(pipe.pack(_initial_vars()), inputs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
 def test_apply_matches_sequential_eval():

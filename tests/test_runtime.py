@@ -1,0 +1,119 @@
+"""The runtime as plain functions: driven without a `Pipeline` where that is the point,
+the B/W split's jaxprs, and U tasks (the optimizer inside the pipeline)."""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.pipeline import backward, runtime, tables
+from jaxhybrid.pipeline.stages import even_boundaries
+from jaxhybrid.schedules import TaskType, make_schedule
+
+import mixed_model as mm
+
+LAYERS = mm.make_layers()
+RNG = jax.random.key(3)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_layer():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
+    return pipe.unpack(pipe.init(jax.random.key(0), mm.make_batch(2)[0]))
+
+
+def test_weight_half_runs_no_forward_and_repeats_no_input_gradient_op():
+    # A stage: Dense -> tanh -> Dense. Its backward's weight half may only run the
+    # parameter-gradient products: no forward op (tanh, the forward matmuls) and no
+    # equation the input half already ran.
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(jnp.tanh(nn.Dense(8)(x)))
+
+    x = jnp.ones((4, 8))
+    params = Block().init(jax.random.key(0), x)["params"]
+    res = backward.Residuals()
+    out, vjp_fn = jax.vjp(lambda p, x: Block().apply({"params": p}, x), params, x)
+    kept = res.split(0, vjp_fn, params)
+    bwd = lambda p, kept, ct: res.rebuild(0, kept, p)(ct[0])
+    sb = backward.SplitBackward(bwd, params, kept, [out], len(jax.tree.leaves(params)))
+    w_prims = sb.weight_primitives()
+    assert "tanh" not in w_prims and sb.num_weight_eqns > 0
+    # W's matmuls are the two kernel gradients only (B has the input-gradient ones).
+    assert w_prims.count("dot_general") == 2
+    g_x, crossing = sb.input_half(params, kept, [jnp.ones_like(out)])
+    g_p = sb.weight_half(params, kept, [jnp.ones_like(out)], crossing)
+    ref_p, ref_x = vjp_fn(jnp.ones_like(out))
+    for a, b in zip(g_p, jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(g_x[0], ref_x, rtol=1e-6)
+
+
+def test_split_pipeline_weight_branches_run_no_forward_op():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       schedule="zb-h1", boundaries=[4], remat="none")
+    pipe.pack(_per_layer())
+    inputs, labels = mm.make_batch(4)
+    mb_in = pipe._microbatch(inputs, "inputs")
+    mb_tg = pipe._microbatch(labels, "targets")
+    lay = runtime.stage_layouts(pipe.engine(), mb_in, mb_tg, mm.loss_fn, True,
+                                jax.ShapeDtypeStruct((2,), jnp.uint32), split=True)
+    for sb in lay.split:
+        # (A conv's kernel gradient is itself a convolution, so conv may appear.)
+        prims = set(sb.weight_primitives())
+        assert sb.num_weight_eqns and not prims & {"tanh", "exp", "log", "erf", "logistic"}, prims
+
+
+def test_runtime_runs_without_a_pipeline_object():
+    # The tick program is built from explicit values: engine, layouts, control table.
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       schedule="1f1b", boundaries=[4], remat="none")
+    variables = pipe.pack(_per_layer())
+    eng = pipe.engine()
+    del pipe   # nothing below reads it
+    inputs, labels = mm.make_batch(4)
+    mb = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape[1:]), a.dtype), t)
+    lay = runtime.stage_layouts(eng, mb(inputs), mb(labels), mm.loss_fn, False, None, False)
+    job = runtime.Job(eng, lay, mm.loss_fn, False, False, False)
+    ctl = tables.control_table(make_schedule("1f1b", 2, 2))
+    body = runtime.train_program(job, ctl)
+    P = jax.sharding.PartitionSpec
+    state = {c: variables[c] for c in variables if c != "params"}
+    loss, grads, *_ = jax.jit(jax.shard_map(
+        body, mesh=jh.make_mesh(data=1, pipe=2),
+        in_specs=(P("pipe"), P("pipe"), P(), P("data"), P("data"), P()),
+        out_specs=(P(), P("pipe"), P("pipe"), P("pipe"), P()), check_vma=False))(
+        variables["params"], state, None, inputs, labels, jnp.zeros((2,), jnp.uint32))
+    ref = jp.reference_value_and_grad(LAYERS, _per_layer(), mm.loss_fn, inputs, labels,
+                                      num_microbatches=2, train=False)
+    np.testing.assert_allclose(float(loss), float(ref[0]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule,data,pipe_size", [("1f1b", 2, 2), ("zb-h1", 1, 4),
+                                                     ("interleaved", 1, 2), ("zbv", 2, 2)])
+def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size):
+    M = 3
+    stages = make_schedule(schedule, pipe_size, M).num_stages
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=data, pipe=pipe_size), num_microbatches=M,
+                       schedule=schedule, boundaries=even_boundaries(len(LAYERS), stages),
+                       remat="none")
+    variables = pipe.pack(_per_layer())
+    tx = optax.adamw(1e-2, weight_decay=1e-3)
+    opt = pipe.init_optimizer(tx, variables)
+    inputs, labels = mm.make_batch(data * M * 2, seed=5)
+    assert any(t.kind == TaskType.U for t in pipe.schedule.with_updates().tasks)
+    loss, grads, new_vars, new_opt = pipe.train_step(mm.loss_fn, tx)(
+        variables, opt, inputs, labels, RNG)
+    ref_loss, ref_grads, ref_vars = pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
+    updates, ref_opt = tx.update(ref_grads, opt, variables["params"])
+    ref_params = optax.apply_updates(variables["params"], updates)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((new_vars, new_opt)), jax.tree.leaves(
+            ({**ref_vars, "params": ref_params}, ref_opt))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

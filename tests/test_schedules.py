@@ -1,0 +1,189 @@
+"""Schedules as task data: one parametrized suite over every registered builder, the
+figures the tables promise, control tables, and the runtime's B/W split and U tasks."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxhybrid import schedules as sc
+from jaxhybrid.pipeline import tables
+from jaxhybrid.schedules import SCHEDULES, Schedule, Task, TaskType, make_schedule
+
+SIZES = [(1, 1), (2, 1), (2, 5), (3, 7), (4, 4), (4, 9), (8, 17)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("S,M", SIZES)
+def test_every_builder_makes_a_valid_complete_table(name, S, M):
+    s = make_schedule(name, S, M)
+    s.validate()
+    K = s.num_stages
+    assert K == S * s.virtual_stages and sorted(set(s.stage_device)) == list(range(S))
+    kinds = [TaskType.F, TaskType.B] + ([TaskType.W] if s.split_backward else [])
+    for kind in kinds:
+        assert sum(t.kind == kind for t in s.tasks) == K * M
+    assert 0 <= s.bubble_fraction() < 1
+    # Memory: the stash never holds more than M microbatches of any stage.
+    assert (s.stage_in_flight() <= M).all() and (s.in_flight() >= 1).all()
+    # The chart names every task once.
+    assert s.chart().count("F") >= K * M
+    # U tasks after the last backward keep the table valid.
+    u = s.with_updates()
+    assert sum(t.kind == TaskType.U for t in u.tasks) == S
+
+
+def test_bubble_figures_at_8_stages_32_microbatches():
+    bubble = {n: make_schedule(n, 8, 32).bubble_fraction() for n in SCHEDULES}
+    assert bubble["1f1b"] == pytest.approx(7 / 39)           # (S-1)/(M+S-1)
+    assert bubble["gpipe"] == pytest.approx(7 / 39)
+    assert bubble["interleaved"] <= 0.10                      # Megatron: 7/71 = 0.099
+    assert bubble["zb-h1"] <= 0.07                            # Qi et al.: (S-1)/(3M+S-1)
+    assert bubble["zbv"] < bubble["zb-h1"]
+
+
+def test_memory_bounds():
+    for S, M in [(4, 16), (8, 32)]:
+        one = make_schedule("1f1b", S, M)
+        # 1F1B and zb-h1 hold at most 2S-1 whatever M is; GPipe holds M.
+        assert one.in_flight().max() == 2 * S - 1
+        assert make_schedule("zb-h1", S, M).in_flight().max() <= one.in_flight().max()
+        assert make_schedule("gpipe", S, M).in_flight().max() == M
+        assert make_schedule("1f1b", S, 4 * M).in_flight().max() == 2 * S - 1
+
+
+def test_interleaved_maps_stages_round_robin_and_rejects_bad_v():
+    s = make_schedule("interleaved", 4, 8, virtual_stages=3)
+    assert s.stage_device == tuple(k % 4 for k in range(12)) and s.virtual_stages == 3
+    with pytest.raises(ValueError, match="virtual_stages"):
+        make_schedule("interleaved", 4, 8, virtual_stages=0)
+    with pytest.raises(ValueError, match="does not take options"):
+        make_schedule("1f1b", 4, 8, virtual_stages=2)
+
+
+def test_zbv_turns_on_the_last_device():
+    s = make_schedule("zbv", 4, 4)
+    assert s.stage_device == (0, 1, 2, 3, 3, 2, 1, 0)
+    ctl = tables.control_table(s)
+    assert sorted(c.shift for c in ctl.act_channels) == [0, 1, 3]   # +1, local turn, -1
+
+
+def test_unknown_name_and_user_schedule():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule("zigzag", 4, 4)
+    mine = make_schedule("1f1b", 2, 3)
+    assert make_schedule(mine, 2, 3) is mine
+    with pytest.raises(ValueError, match="is for 2 devices x 3"):
+        make_schedule(mine, 4, 3)
+
+
+def _broken(s: Schedule, f) -> Schedule:
+    return dataclasses.replace(s, tasks=tuple(f(list(s.tasks))))
+
+
+def test_validate_catches_every_broken_dependency():
+    s = make_schedule("1f1b", 3, 3)
+    first_f1 = next(t for t in s.tasks if t.kind == TaskType.F and t.stage == 1)
+    cases = {
+        "before its input": lambda ts: [dataclasses.replace(t, tick=0) if t == first_f1 else t
+                                        for t in ts],
+        "never runs": lambda ts: [t for t in ts if not (t.kind == TaskType.B and t.stage == 0
+                                                        and t.microbatch == 2)],
+        "repeated": lambda ts: ts + [dataclasses.replace(ts[0], tick=ts[0].tick + 50)],
+        "lives on": lambda ts: [dataclasses.replace(t, device=0) if t.stage == 2 and
+                                t.kind == TaskType.F and t.microbatch == 0 else t for t in ts],
+        "before its gradient": lambda ts: [dataclasses.replace(t, tick=t.tick - 5)
+                                           if t.kind == TaskType.B and t.stage == 0 and
+                                           t.microbatch == 0 else t for t in ts],
+    }
+    for msg, f in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            _broken(s, f).validate()
+    z = make_schedule("zb-h1", 2, 2)
+    with pytest.raises(ValueError, match="before its B"):
+        _broken(z, lambda ts: [dataclasses.replace(t, tick=0) if t.kind == TaskType.W and
+                               t.stage == 1 and t.microbatch == 1 else t for t in ts]).validate()
+
+
+def test_placer_reports_deadlocking_orders():
+    # Device 0 wants B0 before its forward: it can never run.
+    orders = [[(TaskType.B, 0, 0), (TaskType.F, 0, 0)], [(TaskType.F, 1, 0), (TaskType.B, 1, 0)]]
+    with pytest.raises(sc.ScheduleDeadlock, match="deadlocks"):
+        sc.place_tasks("bad", 2, 1, [0, 1], orders)
+
+
+def test_plot_writes_png(tmp_path):
+    for name in SCHEDULES:
+        path = tmp_path / f"{name}.png"
+        make_schedule(name, 4, 6).plot(str(path), fwd_cost=[1, 2, 1, 1] * (
+            2 if name in ("interleaved", "zbv") else 1))
+        assert path.stat().st_size > 5000
+
+
+# --- control tables ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("S,M", [(2, 1), (4, 8), (3, 7)])
+def test_control_table_slots_never_clobber_live_values(name, S, M):
+    s = make_schedule(name, S, M)
+    ctl = tables.control_table(s)
+    col = tables.COL
+    # Replay the table: every read finds the value that was written for it.
+    boxes = {"act": {}, "stash": {}, "grad": {}, "cross": {}}
+    dev = s.stage_device
+    for t in range(s.num_ticks):
+        arrivals = []
+        for d in range(S):
+            row = ctl.table[t, d]
+            k, m = row[col["f_stage"]], row[col["f_mb"]]
+            if k >= 0:
+                if k > 0:
+                    assert boxes["act"][(d, row[col["f_act"]])] == (k, m)
+                boxes["stash"][(d, row[col["f_stash"]])] = (k, m)
+                if k < s.num_stages - 1:
+                    arrivals.append(("act", d, dev[k + 1], (k + 1, m)))
+            for p in ("b", "w"):
+                k, m = row[col[f"{p}_stage"]], row[col[f"{p}_mb"]]
+                if k < 0:
+                    continue
+                assert boxes["stash"][(d, row[col[f"{p}_stash"]])] == (k, m)
+                if k < s.num_stages - 1:
+                    assert boxes["grad"][(d, row[col[f"{p}_grad"]])] == (k, m)
+                if s.split_backward and p == "b":
+                    boxes["cross"][(d, row[col["b_cross"]])] = (k, m)
+                elif s.split_backward:
+                    assert boxes["cross"][(d, row[col["w_cross"]])] == (k, m)
+                if p == "b" and k > 0:
+                    arrivals.append(("grad", d, dev[k - 1], (k - 1, m)))
+        for box, src, d, key in arrivals:
+            recv, chans = ((ctl.act_recv, ctl.act_channels) if box == "act"
+                           else (ctl.grad_recv, ctl.grad_channels))
+            c = [ch.shift for ch in chans].index((d - src) % S)
+            assert recv[t, d, c] != ctl.sizes[box]
+            boxes[box][(d, recv[t, d, c])] = key
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_phases_cover_the_table(name):
+    s = make_schedule(name, 4, 8)
+    phases = tables.control_table(s).phases
+    assert phases[0].start == 0 and phases[-1].stop == s.num_ticks
+    assert all(a.stop == b.start for a, b in zip(phases, phases[1:]))
+    for p in phases:
+        for t in s.tasks:
+            if p.start <= t.tick < p.stop:
+                assert t.kind in p.kinds
+    assert len(phases) <= 4
+    if name in ("gpipe", "1f1b"):   # warm-up runs no backward, cool-down no forward
+        assert TaskType.B not in phases[0].kinds and TaskType.F not in phases[-1].kinds
+
+
+def test_alternating_table_runs_as_one_phase():
+    # Forward-only and backward-only ticks alternating would make one scan (one compiled
+    # copy of every stage) per run of ticks; such a table runs as a single phase.
+    tasks = [Task(0, 0, TaskType.F, 0, 0), Task(1, 1, TaskType.F, 1, 0),
+             Task(1, 1, TaskType.B, 1, 0), Task(2, 0, TaskType.B, 0, 0),
+             Task(3, 0, TaskType.F, 0, 1), Task(4, 1, TaskType.F, 1, 1),
+             Task(4, 1, TaskType.B, 1, 1), Task(5, 0, TaskType.B, 0, 1)]
+    s = Schedule("alt", 2, 2, (0, 1), tuple(tasks))
+    s.validate()
+    phases = tables.control_table(s, max_phases=3).phases
+    assert len(phases) == 1 and {TaskType.F, TaskType.B} <= phases[0].kinds
