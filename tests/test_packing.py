@@ -5,8 +5,6 @@ import numpy as np
 import pytest
 
 from jaxhybrid.pipeline import packing
-from jaxhybrid.pipeline.runtime import tick_phases
-from jaxhybrid.schedules import make_schedule
 
 S = jax.ShapeDtypeStruct
 BIG = packing.WHOLE_MIN
@@ -100,35 +98,3 @@ def test_pack_rejects_values_that_do_not_fit():
         packing.pack(lay, [jnp.zeros(10)], {"float32": 5})
     with pytest.raises(ValueError, match="got 2 leaves"):
         packing.pack_numpy(lay, [np.zeros(10), np.zeros(1)], {"float32": 10})
-
-
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("S_,M", [(2, 1), (4, 8), (3, 7)])
-def test_tick_phases_cover_the_table(name, S_, M):
-    sched = make_schedule(name, S_, M)
-    phases = tick_phases(sched)
-    assert phases[0].start == 0 and phases[-1].stop == sched.num_ticks
-    for a, b in zip(phases, phases[1:]):
-        assert a.stop == b.start
-    for p in phases:
-        f, b = sched.fwd[p.start:p.stop] >= 0, sched.bwd[p.start:p.stop] >= 0
-        # Work a phase leaves out must be absent from every one of its ticks.
-        assert p.forward or not f.any()
-        assert p.backward or not b.any()
-        assert p.send_act or not f[:, :-1].any()
-        assert p.send_grad or not b[:, 1:].any()
-    # Warm-up runs no backward, cool-down no forward; no more phases than that (each
-    # one is another copy of every stage for XLA to compile).
-    assert not phases[0].backward and not phases[-1].forward
-    assert len(phases) <= 3
-
-
-def test_alternating_table_runs_as_one_phase():
-    # Forward-only and backward-only ticks alternating would make one scan (one compiled
-    # copy of every stage) per tick; such a table runs as a single phase.
-    from jaxhybrid.schedules import Schedule
-    fwd = np.array([[0, -1], [-1, -1], [1, -1], [-1, -1]])
-    bwd = np.array([[-1, -1], [0, -1], [-1, -1], [1, -1]])
-    phases = tick_phases(Schedule("alt", 2, 2, fwd, bwd))
-    assert len(phases) == 1 and phases[0].forward and phases[0].backward
-    assert (phases[0].start, phases[0].stop) == (0, 4)
