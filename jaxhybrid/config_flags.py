@@ -32,6 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = dict(name="", size="small", overrides={})
     c.mesh = dict(data=-1, pipe=1)                 # one of them may be -1: the rest
     c.pipeline = dict(schedule="1f1b", num_microbatches=1, remat="auto",
+                      virtual_stages=2,                   # stages per device ("interleaved")
                       memory_budget=placeholder(str),     # e.g. "8GB"; None: no budget
                       boundaries=placeholder(tuple))      # None: the planner decides
     c.train = dict(steps=100, batch_size=32, learning_rate=1e-3, warmup_steps=0,
