@@ -43,6 +43,7 @@ from jaxhybrid.models.spec import init_layers
 from jaxhybrid.plan.topology import fmt_bytes
 
 FLAGS = flags.FLAGS
+MEMORY_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
 flags.DEFINE_string("model", "mlp", "mlp (residual Dense blocks + head) | a jaxhybrid.models name.")
 flags.DEFINE_integer("blocks", 15, "mlp residual blocks (+ 1 head layer: 16 layers split "
                      "4 ways leave one stage a block short, the rest even).")
@@ -53,6 +54,9 @@ flags.DEFINE_integer("repeats", 7, "timed repeats (minimum) for the CPU-seconds 
 flags.DEFINE_list("speed_widths", "512,1024", "mlp widths of the pipelined vs data-parallel "
                   "table (the wider model moves 4x the parameters per step).")
 flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
+flags.DEFINE_list("memory_schedules", ",".join(MEMORY_SCHEDULES), "schedules of the memory table.")
+flags.DEFINE_list("speed_schedules", "1f1b,interleaved,zb-h1", "schedules of the CPU-seconds table.")
+flags.DEFINE_integer("speed_m", 8, "microbatches of the pipelined step in the CPU-seconds table.")
 flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
                   "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
 
@@ -80,8 +84,9 @@ def pipeline_step(layers, loss_fn, per_layer, batch, *, data, pipe, M, schedule=
                   remat="none"):
     """(jitted step, its args, the Pipeline) on a (data, pipe) mesh with even stages."""
     mesh = jh.make_mesh(data=data, pipe=pipe)
+    stages = jp.make_schedule(schedule, pipe, M).num_stages
     p = jp.Pipeline(layers, mesh=mesh, num_microbatches=M, schedule=schedule,
-                    boundaries=jp.even_boundaries(len(layers), pipe), remat=remat)
+                    boundaries=jp.even_boundaries(len(layers), stages), remat=remat)
     variables = p.pack(per_layer)
     return p.value_and_grad(loss_fn), (variables, *_place(mesh, batch)), p
 
@@ -124,33 +129,40 @@ def least(fns: dict, repeats: int, measure=cpu_seconds) -> dict:
     return {k: min(v) for k, v in times.items()}
 
 
-def speed_rows(widths, blocks: int, mb: int, repeats: int) -> list[dict]:
-    """Pipelined vs data-parallel CPU-seconds per step, one row per mlp width."""
+def speed_rows(widths, blocks: int, mb: int, repeats: int, schedule: str = "1f1b",
+               M: int = 8) -> list[dict]:
+    """Pipelined (data=1, pipe=4, M microbatches of `mb`) vs data-parallel (data=4) CPU-
+    seconds per step of the same global batch: DP with M/4 microbatches of the same size
+    (the engine's own overhead), and plain DP (no microbatching)."""
     rows = []
     for width in widths:
         layers, loss_fn, make_batch = bench_model("mlp", width=width, blocks=blocks)
         per_layer = init_layers(layers, jax.random.key(0), make_batch(1)[0])
-        batch = make_batch(8 * mb)   # one global batch for every layout
+        batch = make_batch(M * mb)   # one global batch for every layout
         step = lambda **kw: pipeline_step(layers, loss_fn, per_layer, batch, **kw)[:2]
-        t = least(dict(piped=step(data=1, pipe=4, M=8), dp1=step(data=4, pipe=1, M=1),
-                       dp2=step(data=4, pipe=1, M=2)), repeats)
-        rows.append(dict(width=width, microbatch=mb, **t))
+        t = least(dict(piped=step(data=1, pipe=4, M=M, schedule=schedule),
+                       dp1=step(data=4, pipe=1, M=1), dp2=step(data=4, pipe=1, M=max(1, M // 4))),
+                  repeats)
+        rows.append(dict(width=width, microbatch=mb, schedule=schedule, M=M, **t))
     return rows
 
 
 def print_speed_rows(rows) -> None:
-    print(f"\nCPU-seconds per step, same model and global batch on 4 of the simulated devices:")
-    print(f"{'model':22} {'pipelined 1x4 M=8':>17} {'DP 4x1 M=1':>11} {'ratio':>6} "
-          f"{'DP 4x1 M=2':>11} {'ratio':>6}")
+    print(f"\nCPU-seconds per step, same model and global batch on 4 of the simulated devices "
+          f"(DP acc = data 4 accumulating M/4 microbatches of the same size):")
+    print(f"{'schedule / model':34} {'pipelined 1x4':>14} {'DP 4x1 M=1':>11} {'ratio':>6} "
+          f"{'DP acc':>11} {'ratio':>6}")
     for r in rows:
-        print(f"{'mlp width=' + str(r['width']) + ' mb=' + str(r['microbatch']):22} "
+        name = f"{r['schedule']} M={r['M']} mlp w={r['width']} mb={r['microbatch']}"
+        print(f"{name:34} "
               f"{r['piped'] * 1e3:14.1f} ms {r['dp1'] * 1e3:8.1f} ms {r['piped'] / r['dp1']:5.2f}x "
               f"{r['dp2'] * 1e3:8.1f} ms {r['piped'] / r['dp2']:5.2f}x")
 
 
-def memory_table(layers, loss_fn, make_batch, per_layer, mb: int, ms, S: int = 4) -> list[dict]:
+def memory_table(layers, loss_fn, make_batch, per_layer, mb: int, ms, S: int = 4,
+                 schedules=MEMORY_SCHEDULES) -> list[dict]:
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in schedules:
         for M in ms:
             f, args, p = pipeline_step(layers, loss_fn, per_layer, make_batch(M * mb),
                                        data=1, pipe=S, M=M, schedule=schedule)
@@ -173,7 +185,7 @@ def print_memory_table(rows) -> None:
         print(f"{r['schedule']:8} {r['S']:>2} {r['M']:>3} {r['bubble']:>7.3f} "
               f"{fmt_bytes(r['temp_bytes']):>12} {fmt_bytes(r['param_bytes_per_device']):>14} "
               f"{fmt_bytes(r['total_param_bytes'] / r['S']):>10} {r['padding_waste']:>8.1%}")
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
         t = {r["M"]: r["temp_bytes"] for r in rows if r["schedule"] == schedule}
         lo, hi = min(t), max(t)
         print(f"{schedule}: temp memory M={hi} / M={lo} = {t[hi] / max(1, t[lo]):.2f}x")
@@ -205,12 +217,14 @@ def main(argv) -> None:
           f"devices={jax.device_count()} x {jax.devices()[0].platform} "
           f"cores={os.cpu_count()}\n")
     print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
-                                    [int(m) for m in FLAGS.memory_m]))
+                                    [int(m) for m in FLAGS.memory_m],
+                                    schedules=FLAGS.memory_schedules))
     if FLAGS.padding_models:
         padding_table(FLAGS.padding_models)
 
-    print_speed_rows(speed_rows([int(w) for w in FLAGS.speed_widths], FLAGS.blocks, mb,
-                                FLAGS.repeats))
+    print_speed_rows([row for schedule in FLAGS.speed_schedules for row in speed_rows(
+        [int(w) for w in FLAGS.speed_widths], FLAGS.blocks, mb, FLAGS.repeats, schedule,
+        FLAGS.speed_m)])
 
     batch = make_batch(8 * mb)
     fns = dict(one=pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=1, M=1)[:2],
