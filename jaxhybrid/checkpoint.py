@@ -71,19 +71,20 @@ def leaf_sharding(mesh, shape) -> NamedSharding:
 def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
     """(Traced) packed {key: [S, length]} buffers -> one tree per layer."""
     out = [None] * len(pipe.layers)
-    for s, (a, b) in enumerate(pipe.ranges):
+    # A device's row holds its stages' layers (several stages with virtual stages).
+    for s, layers in enumerate(pipe.device_layers):
         trees = packing.unpack(pipe.param_layouts[s][collection],
                                {k: v[s] for k, v in buffers.items()})
-        for k, tree in enumerate(trees):
-            out[a + k] = tree
+        for i, tree in zip(layers, trees):
+            out[i] = tree
     return out
 
 
 def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
     """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
     rows = [packing.pack(pipe.param_layouts[s][collection],
-                         [per_layer[i] for i in range(a, b)], lengths)
-            for s, (a, b) in enumerate(pipe.ranges)]
+                         [per_layer[i] for i in layers], lengths)
+            for s, layers in enumerate(pipe.device_layers)]
     return {k: jnp.stack([r[k] for r in rows]) for k in lengths}
 
 
@@ -106,8 +107,8 @@ def pack_like_params(pipe, per_layer: list) -> dict:
     """One numpy tree per layer, shaped like that layer's params (the same on every
     process) -> packed buffers like variables["params"], sharded over "pipe"."""
     rows = [packing.pack_numpy(pipe.param_layouts[s]["params"],
-                               [per_layer[i] for i in range(a, b)], pipe.param_len)
-            for s, (a, b) in enumerate(pipe.ranges)]
+                               [per_layer[i] for i in layers], pipe.param_len)
+            for s, layers in enumerate(pipe.device_layers)]
     sharding = NamedSharding(pipe.mesh, P(PIPE))
     return {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in pipe.param_len}
 
@@ -218,7 +219,7 @@ class Checkpointer:
         write finishes in the background (see `wait`)."""
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
-                "layout": {"data": pipe.data, "pipe": pipe.num_stages,
+                "layout": {"data": pipe.data, "pipe": pipe.pipe_size,
                            "boundaries": [int(b) for b in pipe.boundaries]}}
         self._manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))
