@@ -163,6 +163,7 @@ def _pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeline:
         boundaries = list(p.boundaries)
     return jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=p.num_microbatches,
                        schedule=p.schedule, boundaries=boundaries,
+                       virtual_stages=p.virtual_stages if p.schedule == "interleaved" else None,
                        remat=p.remat if remat is None else remat,
                        memory_budget=p.memory_budget if remat is None else None)
 
@@ -304,7 +305,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
     train_data / eval_data replace the config's dataset: train_data() must yield the
     same (inputs, targets) stream on every call (a resumed run skips the batches already
-    trained on), eval_data() yields (inputs, targets, mask) with a fixed batch shape."""
+    trained on), eval_data() yields (inputs, targets, mask) with a fixed batch shape.
+
+    Multi-process (jax.distributed initialised, see jaxhybrid.distributed): every
+    process calls this; each loads its own rows of every global batch, writes its own
+    checkpoint shards, and only process 0 writes metrics, events and logs."""
     started = time.time()
     run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     t, pipe = config.train, run.pipe

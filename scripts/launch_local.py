@@ -62,7 +62,12 @@ def _forward(stream, prefix: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt    # SIGTERM to the launcher stops every process, as Ctrl-C does
+
+
 def launch(args: argparse.Namespace, script_args: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     port = args.port or free_port()
     lock = threading.Lock()
     procs, threads = [], []

@@ -1,0 +1,238 @@
+"""Several processes on one machine (scripts/launch_local.py: CPU, gloo collectives):
+train losses equal to one process on the same mesh, checkpoints moving between process
+counts and layouts, a killed process stopping the run with an error naming it, and the
+pieces (start-up settings, per-process rows) on their own.
+
+Multi-process start-up and compilation are slow on 2 cores, so the module runs two
+2-process trainings and shares them between the tests: run "2p" starts from scratch,
+run "2p_moved" resumes a 1-process checkpoint on another layout. Both are stopped by
+killing process 1 once they have logged step 4 (train.steps is large so the learning
+rate schedule is the same in every run; the 1-process runs stop by an injected
+preemption, as in test_train.py).
+"""
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxhybrid import checkpoint, data, distributed, make_mesh, train
+from jaxhybrid.config_flags import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEARTBEAT_S = 10          # train.py --heartbeat_timeout in the 2-process runs
+EXIT_WITHIN_S = 45        # a killed process must end the run this soon (launcher grace: 120)
+STOP_AFTER = 4            # steps each run trains before it is stopped
+
+# (data, pipe) -> overrides; both split a batch of 16 into the same 8 microbatches of 2.
+LAYOUTS = {(2, 4): {"pipeline.num_microbatches": 4, "pipeline.boundaries": (1, 2, 3)},
+           (4, 2): {"pipeline.num_microbatches": 2, "pipeline.boundaries": (2,)}}
+
+
+def overrides(layout=(2, 4)):
+    return {"model.size": "tiny", "mesh.data": layout[0], "mesh.pipe": layout[1],
+            **LAYOUTS[layout], "train.batch_size": 16, "train.steps": 1000,
+            "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 0,
+            "train.eval_steps": 1, "data.options.max_bytes": 40_000, "checkpoint.every": 2,
+            "checkpoint.keep": 5}
+
+
+def losses(workdir):
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["train_loss"] for r in map(json.loads, lines)}
+
+
+class _Preempted(Exception):
+    pass
+
+
+def train_in_process(workdir, layout, stop_after_step):
+    """One process, 8 devices: train until `stop_after_step` (then a preemption)."""
+    make, calls = train.make_train_step, [0]
+    start = checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=5).latest_step()
+
+    def patched(run, t):
+        step = make(run, t)
+
+        def wrapped(*args):
+            calls[0] += 1
+            if calls[0] > stop_after_step - (start or 0):
+                raise _Preempted()
+            return step(*args)
+        return wrapped
+    train.make_train_step = patched
+    try:
+        with pytest.raises(_Preempted):
+            train.train_and_evaluate(load_config("gpt_hybrid.py", overrides(layout)), workdir)
+    finally:
+        train.make_train_step = make
+
+
+class TwoProcessRun:
+    """scripts/launch_local.py --processes=2 --devices_per_process=4 -- train.py ...,
+    stopped by SIGKILL to process 1 once metrics.jsonl has step `STOP_AFTER` and the
+    checkpoint of step `checkpoint_step` is complete."""
+
+    def __init__(self, workdir, layout, checkpoint_step):
+        self.workdir = pathlib.Path(workdir)
+        self.checkpoint_step = checkpoint_step
+        args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+                for k, v in overrides(layout).items()]
+        cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+               "--devices_per_process=4", "--stop_grace_s=120", "--",
+               "--config=gpt_hybrid.py", f"--workdir={self.workdir}",
+               f"--heartbeat_timeout={HEARTBEAT_S}", "--initialization_timeout=120", *args]
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=ROOT)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self, tail=60):
+        return "".join(self.lines[-tail:])
+
+    def _ready(self):
+        path = self.workdir / "metrics.jsonl"
+        done = path.exists() and STOP_AFTER in losses(self.workdir)
+        return done and (self.workdir / "checkpoints" / str(self.checkpoint_step)).is_dir()
+
+    def kill_process_1(self, timeout=900):
+        """Waits for step STOP_AFTER, kills process 1; returns seconds to the run's end."""
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"2-process run ended or stalled before step {STOP_AFTER}:\n"
+                            f"{self.output()}")
+            time.sleep(0.5)
+        pid = int(re.search(r"process 1: pid (\d+)", "".join(self.lines)).group(1))
+        killed = time.monotonic()
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        try:
+            self.proc.wait(timeout=EXIT_WITHIN_S + 60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"the run did not end after process 1 was killed:\n{self.output()}")
+        return time.monotonic() - killed
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's runs: "1p" (1 process, (2, 4)), "2p" (2 processes, (2, 4), from
+    scratch, started first so it compiles while "1p" trains), "2p_moved" (2 processes,
+    (4, 2), resumed from 1p's checkpoint at step 2)."""
+    root = tmp_path_factory.mktemp("multihost")
+    two = TwoProcessRun(root / "2p", (2, 4), checkpoint_step=2)
+    train_in_process(root / "1p", (2, 4), STOP_AFTER)
+    shutil.copytree(root / "1p" / "checkpoints" / "2", root / "2p_moved" / "checkpoints" / "2")
+    moved = TwoProcessRun(root / "2p_moved", (4, 2), checkpoint_step=STOP_AFTER)
+    two_exit_s = two.kill_process_1()
+    moved_exit_s = moved.kill_process_1()
+    return {"root": root, "2p": two, "2p_moved": moved,
+            "exit_s": {"2p": two_exit_s, "2p_moved": moved_exit_s}}
+
+
+def test_two_processes_train_like_one_on_the_same_mesh(runs):
+    one, two = losses(runs["root"] / "1p"), losses(runs["root"] / "2p")
+    steps = list(range(1, STOP_AFTER + 1))
+    assert [two[s] for s in steps] == [one[s] for s in steps]       # bit for bit
+    assert two[STOP_AFTER] < two[1]
+    # Metrics, events and config from process 0 only: one record per step.
+    lines = (runs["root"] / "2p" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len({json.loads(line)["step"] for line in lines})
+    assert len(list((runs["root"] / "2p").glob("events.out.tfevents.*"))) == 1
+    logged = lambda i: [l for l in runs["2p"].lines if l.startswith(f"[{i}]") and "] step " in l]
+    assert logged(0) and not logged(1)
+
+
+def test_two_process_checkpoint_resumes_in_one_process(runs, tmp_path):
+    ckpt = runs["root"] / "2p" / "checkpoints"
+    meta = json.loads((ckpt / "2" / "meta" / "metadata").read_text())
+    assert meta["processes"] == 2 and meta["step"] == 2
+    # Each process wrote its own shards, about half of them.
+    written = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+               for p in (ckpt / "2" / "state").glob("ocdbt.process_*")}
+    assert sorted(written) == ["ocdbt.process_0", "ocdbt.process_1"]
+    assert min(written.values()) > 0.3 * sum(written.values())
+    shutil.copytree(ckpt / "2", tmp_path / "checkpoints" / "2")
+    train_in_process(tmp_path, (2, 4), STOP_AFTER)
+    resumed, one = losses(tmp_path), losses(runs["root"] / "1p")
+    assert sorted(resumed) == list(range(3, STOP_AFTER + 1))
+    assert [resumed[s] for s in resumed] == [one[s] for s in resumed]   # bit for bit
+
+
+def test_one_process_checkpoint_resumes_in_two_processes_on_another_layout(runs):
+    moved, one = losses(runs["root"] / "2p_moved"), losses(runs["root"] / "1p")
+    assert min(moved) == 3 and STOP_AFTER in moved
+    steps = range(3, STOP_AFTER + 1)
+    # (4, 2) vs (2, 4): the same microbatches, other summation orders.
+    np.testing.assert_allclose([moved[s] for s in steps], [one[s] for s in steps],
+                               rtol=0, atol=1e-4)
+    # It went on saving, in its own layout and process count.
+    ckpt = runs["root"] / "2p_moved" / "checkpoints"
+    assert checkpoint.Checkpointer(ckpt, keep=5).all_steps()[:2] == [2, STOP_AFTER]
+    meta = json.loads((ckpt / str(STOP_AFTER) / "meta" / "metadata").read_text())
+    assert meta["processes"] == 2 and meta["layout"]["data"] == 4
+
+
+@pytest.mark.parametrize("name", ["2p", "2p_moved"])
+def test_killed_process_ends_the_run_with_an_error_naming_it(runs, name):
+    run = runs[name]
+    out = "".join(run.lines)
+    assert runs["exit_s"][name] < EXIT_WITHIN_S, out[-3000:]
+    assert run.proc.returncode != 0
+    assert re.search(r"launch_local: process 1 \(pid \d+\) was killed by signal SIGKILL", out)
+    # Process 0 stopped by itself (the launcher's grace was far longer), naming process 1.
+    assert re.search(r"\[0\] .*tasks are unhealthy \(stopped sending heartbeats\):\s*\n"
+                     r"\[0\] 1\n", out), out[-3000:]
+    assert "launch_local: process 0 was killed by signal SIGABRT" in out
+
+
+# --- the pieces, in this process ----------------------------------------------------
+def test_start_up_settings_come_from_flags_environment_or_cluster():
+    s = distributed.Settings
+    assert distributed.resolve(s(), {}) is None                        # single process
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    got = distributed.resolve(s(initialization_timeout=7), env)
+    assert (got.coordinator_address, got.num_processes, got.process_id,
+            got.initialization_timeout) == ("h:1", 4, 3, 7)
+    got = distributed.resolve(s(process_id=1), env)                   # a flag wins
+    assert got.process_id == 1
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0",
+             "SLURM_NTASKS": "2"}
+    assert distributed.detected_cluster(slurm) == "SLURM"
+    assert distributed.resolve(s(), slurm) == s()                    # jax reads SLURM's
+    assert distributed.resolve(s(), {**slurm, "SLURM_NTASKS": "1"}) is None
+    with pytest.raises(ValueError, match=r"set --num_processes \(JAX_NUM_PROCESSES\), "
+                                         r"--process_id"):
+        distributed.resolve(s(coordinator_address="h:1"), {})
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        distributed.resolve(s("h:1", 2, 2), {})
+
+
+def test_rows_of_any_split_make_the_same_batches():
+    ds = data.get_dataset("digits", "train", batch_size=16, seed=3, image_size=16)
+    whole = list(zip(range(3), ds.batches(start=5)))
+    halves = [ds.batches(start=5, rows=slice(0, 8)), ds.batches(start=5, rows=slice(8, 16))]
+    for (_, (x, y)), a, b in zip(whole, *halves):
+        np.testing.assert_array_equal(np.concatenate([a[0], b[0]]), x)
+        np.testing.assert_array_equal(np.concatenate([a[1], b[1]]), y)
+    test = data.get_dataset("digits", "test", batch_size=16, image_size=16)
+    last = list(test.eval_batches())[-1]
+    part = list(test.eval_batches(rows=slice(8, 16)))[-1]
+    for full, half in zip(last, part):
+        np.testing.assert_array_equal(full[8:], half)
+    with pytest.raises(ValueError, match=r"rows=.* must be a slice of consecutive"):
+        ds.batches(rows=[0, 1])
+    assert data.process_rows(make_mesh(2, 4), 16) == slice(0, 16)     # one process: all
+    with pytest.raises(ValueError, match=r"batch size 12 is not divisible"):
+        data.process_rows(make_mesh(8, 1), 12)
