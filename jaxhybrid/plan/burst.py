@@ -271,8 +271,10 @@ class BurstPlan:
         """Seconds each device is idle per iteration; forward_only: only while the
         foreground runs forward (what `jaxhybrid.burst.multiplex` fills)."""
         if forward_only:
-            return float(sum(self.fwd_time)) - self.busy_time(True)
-        return self.iteration_time - self.busy_time()
+            idle = float(sum(self.fwd_time)) - self.busy_time(True)
+        else:
+            idle = self.iteration_time - self.busy_time()
+        return np.maximum(idle, 0.0)      # no negative rounding residue
 
     @property
     def device_time(self) -> float:
