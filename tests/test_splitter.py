@@ -63,8 +63,7 @@ class TiedLM(nn.Module):
         embed = nn.Embed(self.vocab, 16)
         x = embed(ids) + self.param("pos", nn.initializers.normal(0.02), (ids.shape[1], 16))
         x = nn.Dropout(0.1, deterministic=not train)(x)
-        for _ in range(2):
-            x = DecoderBlock()(x, train)
+        x = DecoderBlock()(x, train)
         return embed.attend(nn.LayerNorm()(x))
 
 
