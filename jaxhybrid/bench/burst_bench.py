@@ -8,24 +8,27 @@ Prints (figures, never pass/fail):
      idle branches) vs the two run one after the other (target <= 1.10x), and the
      foreground's wall-clock slowdown (on CPU the simulated devices share the cores, so
      background work slows the foreground here; on a GPU it would fill idle time);
-  3. validation: device-time the planner predicts (per-layer times profiled on this host
-     at every per-device batch) vs the CPU-seconds measured, for DP and burst widths,
-     with the predicted busy time per device;
+  3. validation: device-time the planner predicts (per-layer forward and backward
+     CPU-seconds timed on this host at every per-device batch) vs the CPU-seconds measured
+     for the DP and burst steps, with the predicted busy time per device;
   4. the small-batch efficiency model fitted on this host (per layer kind).
 Process CPU time (`time.process_time`, all threads) is used because the simulated
 devices share two cores: like is compared with like, in one run, repeats interleaved.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import flags
 
 from jaxhybrid import burst, models
 from jaxhybrid.burst import multiplex
+from jaxhybrid.layers import apply_layer
 from jaxhybrid.mesh import make_mesh
 from jaxhybrid.plan import burst as planner
 from jaxhybrid.plan.costs import profile
@@ -123,15 +126,47 @@ def main(argv):
         validate(fg, x, mesh, widths, cpu)
 
 
+def layer_cpu_times(layers, variables, x, repeats: int, steps: int):
+    """(forward, backward) process CPU-seconds of each layer on one device at the batch
+    of `x`, timed like the steps (min over repeats): the layer alone, jitted."""
+    key = jax.random.PRNGKey(0)
+    fwd, bwd = [], []
+    h = x
+    for l, layer in enumerate(layers):
+        params = variables[l].get("params", {})
+        state = {k: v for k, v in variables[l].items() if k != "params"}
+
+        def f(p, hh, _layer=layer, _state=state):
+            return apply_layer(_layer, {"params": p, **_state}, hh, train=True, rng=key)[0]
+
+        def fb(p, hh, _f=f):
+            y, vjp = jax.vjp(_f, p, hh)
+            return vjp(jax.tree.map(jnp.ones_like, y))
+
+        jf, jfb = jax.jit(f), jax.jit(fb)
+        t = least({"f": (jf, (params, h)), "fb": (jfb, (params, h))}, repeats, steps)
+        fwd.append(t["f"])
+        bwd.append(max(t["fb"] - t["f"], 0.0))
+        h = jf(params, h)
+    return fwd, bwd
+
+
 def validate(fg, x, mesh, widths, cpu):
-    """Planner device-time (from per-layer times measured here at every per-device batch)
-    against the measured CPU-seconds of the same steps."""
+    """Planner device-time (per-layer CPU-seconds measured here at every per-device
+    batch) against the measured CPU-seconds of the same steps."""
     G = int(mesh.shape["data"])
     B = FLAGS.batch
     t0 = time.perf_counter()
     sizes = planner.widths_for(G, B)
-    by_batch = {B // g: profile(fg.layers, x[:B // g], measure=True, repeats=3) for g in sizes}
-    print(f"profiled {len(fg.layers)} layers at batches {sorted(by_batch)} in "
+    base = profile(fg.layers, x)                        # bytes and parameters (XLA)
+    variables = fg.init(jax.random.key(0, impl="rbg"), x[:2])
+    by_batch = {}
+    for g in sizes:
+        m = B // g
+        f, b = layer_cpu_times(fg.layers, variables, x[:m], FLAGS.repeats, FLAGS.steps)
+        by_batch[m] = [dataclasses.replace(c.scaled(m), fwd_time=tf, bwd_time=tb, measured=True)
+                       for c, tf, tb in zip(base, f, b)]
+    print(f"timed {len(fg.layers)} layers at batches {sorted(by_batch)} in "
           f"{time.perf_counter() - t0:.1f} s")
     hw = measured_device(bandwidth=10e9)
     topo = Topology.uniform(G, 10e9)
