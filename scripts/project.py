@@ -34,7 +34,8 @@ flags.DEFINE_integer("per_worker_batch", None, "examples per DP worker (default:
 flags.DEFINE_string("costs", "reference", "reference (analytic, full size) | profile | measured.")
 flags.DEFINE_string("size", "full", "model size to profile with --costs=profile/measured.")
 flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--costs=profile).")
-flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (gpipe, 1f1b).")
+flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (names in "
+                  "jaxhybrid.schedules.SCHEDULES: gpipe, 1f1b, interleaved, zb-h1, zbv).")
 flags.DEFINE_list("microbatches", None, "microbatch counts to search (default: every divisor "
                   "of the per-worker batch).")
 flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.")

@@ -209,23 +209,24 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         return est
     per_layer = list(costs(b // M))
     L = len(per_layer)
-    if pipe > L:
-        est.reason = f"pipe={pipe} > {L} layers"
+    sched = make_schedule(schedule, pipe, M)
+    K, v = sched.num_stages, sched.virtual_stages   # K = pipe x virtual stages
+    if K > L:
+        est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
         return est
     fwd, bwd = layer_times(per_layer, hw)
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
     topo = pipeline_topology(hw, pipe) if pipe > 1 else None
-    if boundaries is not None and len(boundaries) != pipe - 1:
-        raise ValueError(f"boundaries={list(boundaries)}: a {pipe}-stage pipeline needs "
-                         f"{pipe - 1} (the first layer of stages 1..{pipe - 1}).")
-    if boundaries is None:
-        boundaries = partition(fwd + bwd, pipe, boundary_bytes=out_bytes if topo else None,
-                               topology=topo)
+    if boundaries is not None and len(boundaries) != K - 1:
+        raise ValueError(f"boundaries={list(boundaries)}: a {K}-stage pipeline needs "
+                         f"{K - 1} (the first layer of stages 1..{K - 1}).")
+    if boundaries is None:   # links between stages are modelled for one stage per device
+        boundaries = partition(fwd + bwd, K, boundary_bytes=out_bytes if topo and v == 1 else None,
+                               topology=topo if v == 1 else None)
     edges = [0, *[int(x) for x in boundaries], L]
     est.boundaries = [int(x) for x in boundaries]
-    sched = make_schedule(schedule, pipe, M)
     # pipe = 1 runs microbatches one after another (gradient accumulation): one in flight.
-    inflight = sched.in_flight() if pipe > 1 else np.ones(1, int)
+    inflight = sched.stage_in_flight() if pipe > 1 else np.ones(K, int)
 
     # Memory, and recomputation for stages that would not fit.
     pstate = hw.param_state_bytes(optimizer_states)
@@ -240,7 +241,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     for s, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
         buffers = io[lo] + io[hi - 1]
         plain = state[s] + inflight[s] * saved[lo:hi].sum() + buffers
-        if plain <= hw.usable_memory:
+        if plain <= hw.usable_memory / v:   # a device's v stages share its memory
             mem.append(plain), remat.append(False)
             continue
         mem.append(state[s] + inflight[s] * saved_remat[lo:hi].sum() + saved[lo:hi].max() + buffers)
@@ -248,10 +249,11 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         B[s] += F[s]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
-    if max(mem) > hw.usable_memory:
-        s = int(np.argmax(mem))
-        est.reason = (f"stage {s} needs {mem[s] / 1e9:.3g} GB > {hw.usable_memory / 1e9:.3g} GB "
-                      f"usable even with recomputation")
+    device_mem = np.bincount(sched.stage_device, weights=mem, minlength=pipe)
+    if device_mem.max() > hw.usable_memory:
+        d = int(np.argmax(device_mem))
+        est.reason = (f"device {d} needs {device_mem[d] / 1e9:.3g} GB > "
+                      f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
         return est
 
     # The lock-step pipeline.
@@ -261,8 +263,11 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     per_tick_comm = 0.0
     if pipe > 1:
         nb = out_bytes[np.array(edges[1:-1]) - 1].max()   # padded to the largest boundary
-        per_tick_comm = 2 * max(topo.transfer_time(s, s + 1, nb) for s in range(pipe - 1))
-        engine = hw.tick_overhead + (params.max() * hw.tick_param_bytes / hw.mem_bandwidth
+        dev = sched.stage_device
+        links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
+        per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
+        device_params = np.bincount(dev, weights=params, minlength=pipe)
+        engine = hw.tick_overhead + (device_params.max() * hw.tick_param_bytes / hw.mem_bandwidth
                                      if hw.tick_param_bytes else 0.0)
         if engine:
             ticks = _tick_times(work + engine, hw, data)
@@ -293,6 +298,9 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
     edges = [0, *est.boundaries, len(per_layer)]
     g = np.array([grad_params(c, data, est.per_worker_batch) for c in per_layer])
     stage_grads = _stage_sums(g, edges)
+    if len(stage_grads) != est.pipe:   # virtual stages: a device all-reduces all of its own
+        dev = make_schedule(est.schedule, est.pipe, est.num_microbatches).stage_device
+        stage_grads = np.bincount(dev, weights=stage_grads, minlength=est.pipe)
     est.allreduce_time = allreduce_time(hw, data, est.pipe, stage_grads * hw.grad_bytes)
     if optimizer_states is not None and hw.mem_bandwidth:
         # Every device reads and writes the state of the parameters that got gradients
