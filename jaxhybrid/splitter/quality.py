@@ -6,14 +6,19 @@ layer and no other cut, so its pieces are exactly the layers and both sides are 
 the same way; the planner's partition DP then picks the best contiguous split of each.
 
     python -m jaxhybrid.splitter.quality            # GPT tiny (tied) and Inception-V3 tiny
+    python -m jaxhybrid.splitter.quality overhead   # CPU-s of a step: one module vs a list
 """
 from __future__ import annotations
 
+import os
+import resource
+import sys
 import time
 from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 from jaxhybrid.layers import takes_train
 from jaxhybrid.plan import layer_times, partition, stage_costs
@@ -75,6 +80,41 @@ def main() -> None:
                   f"split {r['split_s']:.2f} s, cost+plan {r['cost_plan_s']:.2f} s")
 
 
+def overhead(repeats: int = 7) -> float:
+    """CPU-seconds of a pipelined step of GPT tiny (4 blocks) given as one module (forced
+    cuts at the layers, the list's planned boundaries) over the same model as a list."""
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    from jaxhybrid.models import get_model
+    spec = get_model("gpt", "tiny", tied=False, num_layers=4)
+    data, S, M = 2, 2, 4
+    x, t = spec.sample_batch(data * M * 4)
+    mesh = jh.make_mesh(data=data, pipe=S)
+    lp = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M, schedule="1f1b", remat="none")
+    lv = lp.init(jax.random.key(0), x)
+    split = SplitModel(Sequential(tuple(spec.layers), marked=True), x[:4], max_pieces=1)
+    sp = jp.Pipeline(split, mesh=mesh, num_microbatches=M, schedule="1f1b", remat="none",
+                     boundaries=lp.boundaries)
+    sv = sp.pack(split.init_variables(jax.random.key(0), x))
+    steps = {"list": (lp.value_and_grad(spec.loss_fn), lv),
+             "split": (sp.value_and_grad(spec.loss_fn), sv)}
+    cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    rng, times = jax.random.key(1), {k: [] for k in steps}
+    for f, v in steps.values():
+        jax.block_until_ready(f(v, x, t, rng))
+    for _ in range(repeats):   # interleaved, so both see the same machine load
+        for k, (f, v) in steps.items():
+            c0 = cpu()
+            jax.block_until_ready(f(v, x, t, rng))
+            times[k].append(cpu() - c0)
+    ml, ms = float(np.median(times["list"])), float(np.median(times["split"]))
+    print(f"CPU-s per step (median of {repeats}): list {ml:.4f}, one module {ms:.4f}, "
+          f"ratio {ms / ml:.3f} (cut at {lp.boundaries}, {split.num_pieces} pieces)")
+    return ms / ml
+
+
 if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8")
     jax.config.update("jax_platforms", "cpu")
-    main()
+    overhead() if sys.argv[1:] == ["overhead"] else main()
