@@ -200,6 +200,22 @@ def test_planner_chooses_cuts_for_a_module():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(schedule="1f1b", remat="full"),
+                                     dict(schedule="interleaved", virtual_stages=2)])
+def test_remat_and_virtual_stages_on_a_split_model(options):
+    model, native = _native("scan")
+    x, t = _vectors(8, seed=2)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       **{"remat": "none", **options})
+    pipe.init(jax.random.key(0), x)   # the planner cuts; then the test's own variables
+    variables = pipe.pack(native)
+    loss, grads, _ = pipe.value_and_grad(mse)(variables, x, t)
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad([model], [native], mse, x, t, data=2,
+                                                         num_microbatches=2)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(pipe.unpack({**variables, "params": grads})["params"], ref_grads[0], "grads")
+
+
 def test_tied_embedding_is_held_by_two_pieces_and_stays_identical():
     pipe, variables, grads = _run("tied_lm", 2, 2, "1f1b", 2)
     shared = pipe.splitter.split.shared_variables()

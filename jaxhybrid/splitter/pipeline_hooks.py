@@ -44,7 +44,8 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
     if sample_inputs is not None:
         s.split_at(_microbatch(sample_inputs, mesh), stages)
         return s, s.split.layers
-    return s, [_PendingPiece() for _ in range(max(1, stages))]
+    # Enough stand-ins for any stage count (virtual stages included) until the split.
+    return s, [_PendingPiece()] * max(256, stages)
 
 
 def _microbatch(sample, mesh):

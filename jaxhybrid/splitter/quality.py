@@ -21,24 +21,30 @@ import jax
 import numpy as np
 
 from jaxhybrid.layers import takes_train
+from jaxhybrid.models.spec import Sequential
 from jaxhybrid.plan import layer_times, partition, stage_costs
 from jaxhybrid.splitter.costs import piece_costs
 from jaxhybrid.splitter.model import SplitModel
 from jaxhybrid.splitter.program import stage_boundary
 
 
-class Sequential(nn.Module):
-    """A layer list as one module; marked=True: a forced cut after every layer."""
-    layers: Sequence[Any]
-    marked: bool = False
+class CutAfter(nn.Module):
+    """A layer followed by a forced cut."""
+    layer: Any
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        for i, layer in enumerate(self.layers):
-            x = layer(x, train=train) if takes_train(layer) else layer(x)
-            if self.marked and i < len(self.layers) - 1:
-                x = stage_boundary(x)
-        return x
+        return stage_boundary(self.layer(x, train=train) if takes_train(self.layer)
+                              else self.layer(x))
+
+
+def as_module(layers: Sequence[Any], marked: bool = False) -> nn.Module:
+    """A layer list as one module; marked=True: a forced cut after every layer, so the
+    pieces are exactly the layers."""
+    layers = tuple(layers)
+    if marked:
+        layers = (*[CutAfter(l) for l in layers[:-1]], layers[-1])
+    return Sequential(layers)
 
 
 def bottleneck(split: SplitModel, sample, num_stages: int) -> tuple[float, float]:
@@ -53,7 +59,7 @@ def compare(model, layers, sample, stages=(4, 8)) -> list[dict]:
     t0 = time.perf_counter()
     auto = SplitModel(model, sample, min_pieces=max(stages))
     split_s = time.perf_counter() - t0
-    hand = SplitModel(Sequential(tuple(layers), marked=True), sample, max_pieces=1)
+    hand = SplitModel(as_module(layers, marked=True), sample, max_pieces=1)
     rows = []
     for S in stages:
         a, plan_s = bottleneck(auto, sample, S)
@@ -70,7 +76,7 @@ def main() -> None:
     inc = get_model("inception_v3", "tiny")
     cases = [("gpt tiny (tied, one module)", gpt_tied.layers[0], gpt.layers,
               gpt.sample_batch(2)[0]),
-             ("inception_v3 tiny (one module)", Sequential(tuple(inc.layers)), inc.layers,
+             ("inception_v3 tiny (one module)", as_module(inc.layers), inc.layers,
               inc.sample_batch(2)[0])]
     for name, model, layers, x in cases:
         for r in compare(model, layers, x):
@@ -92,7 +98,7 @@ def overhead(repeats: int = 7) -> float:
     mesh = jh.make_mesh(data=data, pipe=S)
     lp = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M, schedule="1f1b", remat="none")
     lv = lp.init(jax.random.key(0), x)
-    split = SplitModel(Sequential(tuple(spec.layers), marked=True), x[:4], max_pieces=1)
+    split = SplitModel(as_module(spec.layers, marked=True), x[:4], max_pieces=1)
     sp = jp.Pipeline(split, mesh=mesh, num_microbatches=M, schedule="1f1b", remat="none",
                      boundaries=lp.boundaries)
     sv = sp.pack(split.init_variables(jax.random.key(0), x))
