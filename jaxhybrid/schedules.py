@@ -33,11 +33,12 @@ num_microbatches, **options)`, where `num_stages` is the pipeline depth in devic
                in groups of S microbatches per chunk, 1F1B steady state; the warm-up
                per device is the smallest that does not stall the lock step.
   zb-h1        zero bubble (Qi et al. 2024): backward split into B and W, one task per
-               tick; B first, then F, and W fills what would be bubble; in flight
-               (F done, W not) capped at 1f1b's peak 2S-1 -> 1F1B's activation memory.
+               tick; B first, then F, and W fills what would be bubble; stashed
+               residuals plus B->W cotangents capped at 1f1b's peak 2S-1 rows.
                Bubble (S-1)/(3M+S-1) with F = B = W.
   zbv          zero-bubble V-shape (Qi et al.): 2 stages per device, d and 2S-1-d;
-               half-size stages halve the fill; in flight <= 2S half-stages.
+               half-size stages halve the fill; residual + cotangent rows <= 3S
+               half-stages (1.5S stages' worth, below 1f1b's 2S-1).
 (ZB-H2's extra warm-up cannot shorten a lock-step table: the last device cannot start
 before tick S-1, which already bounds zb-h1; so it is not offered.)
 Each is a device-order policy placed on ticks by one greedy placer (`place_tasks`).
@@ -348,7 +349,8 @@ def place_tasks(name: str, num_devices: int, num_microbatches: int, stage_device
     orders[d]: device d's tasks as (kind, stage, microbatch), F and B (and U) only; with
     split_backward each B's W becomes pending once the B is placed and fills slots: it
     runs whenever the device's next ordered task cannot (not ready, or an F blocked by
-    `in_flight_cap[d]`), and the rest at the end. In every tick a device takes tasks
+    `in_flight_cap[d]`), and the rest at the end. The cap counts stashed residuals (F
+    until its last backward) plus, when split, B's stashed cotangents (B until W). In every tick a device takes tasks
     in order while they are ready, of kinds not yet used in the tick, up to `per_tick`;
     with `priority` (a key on (kind, stage, microbatch)) a device instead takes its
     runnable task of least key, in any order.
@@ -405,8 +407,12 @@ def place_tasks(name: str, num_devices: int, num_microbatches: int, stage_device
                 if kind == TaskType.F:
                     live[d] += 1
                 elif kind == TaskType.B and split_backward:
+                    # B's cotangents for W occupy memory like the residuals: count them.
                     pending_w[d].append((TaskType.W, k, m))
-                if kind == (TaskType.W if split_backward else TaskType.B):
+                    live[d] += 1
+                if kind == TaskType.W:
+                    live[d] -= 2
+                elif kind == TaskType.B and not split_backward:
                     live[d] -= 1
         if not placed_any and all(not p for p in pending_w):
             raise ScheduleDeadlock(f"schedule {name}: no device can run its next task at "
@@ -524,7 +530,7 @@ def zbv(num_stages: int, num_microbatches: int) -> Schedule:
     # microbatch before starting another: bounded memory).
     priority = lambda t: (0 if t[0] == TaskType.B else 1, t[2], -t[1])
     return place_tasks("zbv", S, M, stage_device, orders, split_backward=True, per_tick=1,
-                       in_flight_cap=[2 * S] * S, priority=priority)
+                       in_flight_cap=[3 * S] * S, priority=priority)
 
 
 SCHEDULE_NAMES = tuple(SCHEDULES)
