@@ -294,3 +294,45 @@ def test_burst_script_json(tmp_path):
         assert x["total"] == pytest.approx(x["foreground"] + x["background"])
     assert png.stat().st_size > 5000
     assert os.path.exists(tmp_path / "burst_costs_vgg16_tiny.json")
+
+
+def _timed_costs(times, batch=16, param_count=1000, act=4000):
+    return [LayerCost(name=f"l{i}", batch_size=batch, fwd_flops=2.0 * param_count * batch,
+                      bwd_flops=4.0 * param_count * batch, fwd_bytes=0.0, bwd_bytes=0.0,
+                      param_bytes=4 * param_count, param_count=param_count, in_bytes=act * batch,
+                      out_bytes=act * batch, saved_bytes=0, saved_bytes_remat=0,
+                      fwd_time=t / 3, bwd_time=2 * t / 3, measured=True) for i, t in enumerate(times)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_branch_mode_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    costs = _timed_costs(rng.uniform(1e-3, 5e-3, 3))
+    branches = {1: _timed_costs(rng.uniform(0.2e-3, 2e-3, 2))}
+    topo = Topology.uniform(4, float(rng.choice([1e8, 1e10])), 1e-6)
+    model = planner.SmallBatchModel({"dense": float(rng.choice([0.0, 2e4]))})
+    limit = float(rng.choice([1.0, 2.0]))
+    tab = planner.build_tables(costs, num_devices=4, batch_size=16, hardware=measured_device(),
+                               topology=topo, small_batch=model, branches=branches)
+    plan = planner.plan_burst(None, num_devices=4, batch_size=16, amplification_limit=limit,
+                              tables=tab)
+    best, _ = planner.brute_force(tab, limit, 4)
+    assert plan.iteration_time == pytest.approx(best, rel=1e-9)
+
+
+def test_branches_run_side_by_side_when_layers_cannot_widen():
+    """Limit 1 keeps every layer on one device; a block of two branches then runs them
+    on devices 0 and 1 at once (fast network): max instead of sum of their times."""
+    costs = _timed_costs([4e-3, 6e-3, 4e-3])
+    branches = {1: _timed_costs([2e-3, 4e-3])}
+    topo = Topology.uniform(4, 1e15, 0.0)
+    model = planner.SmallBatchModel({"dense": 1e9})       # widening never pays
+    p = planner.plan_burst(costs, num_devices=4, batch_size=16, hardware=measured_device(),
+                           topology=topo, small_batch=model, amplification_limit=1.0,
+                           branches=branches)
+    assert p.widths[0] == p.widths[2] == 1       # (the block's output layout is a tie)
+    assert [(o, g) for o, g, *_ in p.branch_groups[1]] == [(0, 1), (1, 1)]
+    assert p.iteration_time == pytest.approx(4e-3 + 4e-3 + 4e-3, rel=1e-6)
+    busy = p.busy_time()
+    assert busy[0] == pytest.approx(10e-3, rel=1e-6)      # layers 0, 2 and branch 0
+    assert busy[1] == pytest.approx(4e-3, rel=1e-6) and busy[2] == 0.0   # branch 1

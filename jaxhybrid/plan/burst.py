@@ -189,6 +189,11 @@ class _Tables:
     relayout: dict               # (k_from, k_to) -> (lat [G], per [G])
     fast: np.ndarray             # [L] bool: exempt from the amplification limit
     names: list
+    batch: int = 0
+    fast_time: float = DEFAULT_FAST_LAYER_TIME
+    branches: dict = dataclasses.field(default_factory=dict)  # l -> fwd/bwd/sync [nb, K], out_bytes [nb]
+    bw_min: np.ndarray | None = None   # [n]: slowest link among the first n devices
+    lat_max: np.ndarray | None = None
 
     @property
     def time(self):
@@ -207,7 +212,8 @@ class _Tables:
 
 def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1",
                  topology: Topology | None = None, small_batch: SmallBatchModel | None = None,
-                 fast_layer_time: float = DEFAULT_FAST_LAYER_TIME) -> _Tables:
+                 fast_layer_time: float = DEFAULT_FAST_LAYER_TIME,
+                 branches: dict | None = None) -> _Tables:
     hw = get_hardware(hardware)
     model = small_batch or SMALL_BATCH_PRESETS.get(hw.name, NO_SMALL_BATCH_LOSS)
     topo = topology or cluster_topology(hw, num_devices)
@@ -229,7 +235,71 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     relayout = {(a, b): _relayout_terms(topo, widths[a], widths[b], batch_size)
                 for a in range(len(widths)) for b in range(len(widths)) if a != b}
     fast = (fwd[:, 0] + bwd[:, 0]) < fast_layer_time   # at g = 1, as DeepPool
-    return _Tables(widths, fwd, bwd, sync, in_bytes, relayout, fast, [c.name for c in full])
+    tab = _Tables(widths, fwd, bwd, sync, in_bytes, relayout, fast, [c.name for c in full],
+                  batch_size, fast_layer_time)
+    off = ~np.eye(topo.n, dtype=bool)
+    bw = np.where(off, topo.bandwidth, np.inf)
+    lat = np.where(off, topo.latency, 0.0)
+    tab.bw_min = np.array([np.inf] + [bw[:n, :n].min() if n > 1 else np.inf
+                                      for n in range(1, num_devices + 1)])
+    tab.lat_max = np.array([0.0] + [lat[:n, :n].max() for n in range(1, num_devices + 1)])
+    for l, bcosts in (branches or {}).items():
+        bfn = _cost_fn(bcosts)
+        bbase = None if callable(bcosts) else list(bcosts)
+        times = [layer_times_at(bfn(batch_size // g), hw, model, bbase) for g in widths]
+        bfull = bfn(batch_size)
+        if hw.uses_measured_times or topology is not None:
+            bsync = [[topo.allreduce_time(range(g), c.param_count * hw.grad_bytes) for g in widths]
+                     for c in bfull]
+        else:
+            from jaxhybrid.plan.hybrid import allreduce_time
+            bsync = [[allreduce_time(hw, g, 1, [c.param_count * hw.grad_bytes]) for g in widths]
+                     for c in bfull]
+        tab.branches[int(l)] = {
+            "fwd": np.stack([t[0] for t in times], 1), "bwd": np.stack([t[1] for t in times], 1),
+            "sync": np.array(bsync),
+            "out_bytes": np.array([c.out_bytes / c.batch_size * hw.bytes_scale for c in bfull])}
+    return tab
+
+
+def _branch_options(tab: _Tables, l: int, limit: float, G: int):
+    """Layer l's branches side by side on disjoint groups of the first devices (branch b
+    on g_b, sum <= G): for every (input width index, output width index) the fastest
+    feasible assignment -> (time [K, K], {(kf, k): (branch width indices, transfer,
+    critical branch)}). Transfers: every group receives the whole input, the output
+    width receives every branch's output; each device's rows one after the other over
+    the slowest link among the devices involved (x2: forward and backward)."""
+    br, B = tab.branches[l], tab.batch
+    nb, K = br["fwd"].shape
+    w = np.array(tab.widths)
+    idx = np.array(list(itertools.product(range(K), repeat=nb)))
+    gw = w[idx]
+    used = gw.sum(1)
+    keep = used <= G
+    rows = np.arange(nb)
+    tb = (br["fwd"] + br["bwd"])[rows, idx]
+    t1 = float((br["fwd"][:, 0] + br["bwd"][:, 0]).sum())
+    if not t1 < tab.fast_time:
+        keep &= (gw * tb).sum(1) / t1 <= limit + 1e-12
+    idx, gw, used, tb = idx[keep], gw[keep], used[keep], tb[keep]
+    path = tb + br["sync"][rows, idx]
+    crit, tpath = path.argmax(1), path.max(1)
+    inb, outb = tab.in_bytes[l], br["out_bytes"]
+    cost = np.full((K, K), np.inf)
+    detail = {}
+    for kf in range(K):
+        for k in range(K):
+            span = np.maximum(used, max(w[kf], w[k]))
+            bw, lat = tab.bw_min[span], tab.lat_max[span]
+            t_in = np.maximum((B / gw * inb).max(1), nb * B / w[kf] * inb) / bw + nb * lat
+            t_out = np.maximum((B / w[k] * outb).sum(), (B / gw * outb).max(1)) / bw + nb * lat
+            xfer = 2.0 * (t_in + t_out)
+            total = tpath + xfer
+            if total.size:
+                j = int(np.argmin(total))
+                cost[kf, k] = total[j]
+                detail[(kf, k)] = (idx[j].tolist(), float(xfer[j]), int(crit[j]))
+    return cost, detail
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -248,6 +318,9 @@ class BurstPlan:
     dp_width: int
     amplification_limit: float
     amplification: list      # g x time(l, g) / time(l, 1)
+    # Layers whose branches run side by side: {l: [[offset, g, fwd, bwd, sync] per branch]};
+    # their fwd/bwd/sync entries above are the critical (slowest) branch's.
+    branch_groups: dict = dataclasses.field(default_factory=dict)
 
     @property
     def iteration_time(self) -> float:
@@ -259,11 +332,18 @@ class BurstPlan:
         transfers it takes part in); forward_only: its forward compute only."""
         busy = np.zeros(self.num_devices)
         prev = self.widths[0]
-        for g, f, b, s, x in zip(self.widths, self.fwd_time, self.bwd_time, self.sync_time,
-                                 self.transfer_time):
-            busy[:g] += f if forward_only else f + b + s
+        for l, (g, f, b, s, x) in enumerate(zip(self.widths, self.fwd_time, self.bwd_time,
+                                                self.sync_time, self.transfer_time)):
+            groups = self.branch_groups.get(l) or self.branch_groups.get(str(l))
+            span = max(g, prev)
+            if groups:
+                for o, gb, fb, bb, sb in groups:
+                    busy[int(o):int(o) + int(gb)] += fb if forward_only else fb + bb + sb
+                span = max(span, max(int(o) + int(gb) for o, gb, *_ in groups))
+            else:
+                busy[:g] += f if forward_only else f + b + s
             if not forward_only:
-                busy[:max(g, prev)] += x
+                busy[:span] += x
             prev = g
         return busy
 
@@ -331,8 +411,11 @@ class BurstPlan:
                 ax.add_patch(Rectangle((t * ms, 0), x * ms, max(g, prev), color="0.6"))
                 t += x
             dur = self.fwd_time[l] if phase == "f" else self.bwd_time[l]
-            ax.add_patch(Rectangle((t * ms, 0), dur * ms, g, color=cmap(l % 20),
-                                   alpha=1.0 if phase == "f" else 0.6))
+            for o, gb, fb, bb, _ in (self.branch_groups.get(l) or [[0, g, self.fwd_time[l],
+                                                                    self.bwd_time[l], 0]]):
+                ax.add_patch(Rectangle((t * ms, o), (fb if phase == "f" else bb) * ms, gb,
+                                       color=cmap(l % 20), alpha=1.0 if phase == "f" else 0.6,
+                                       ec="k" if l in self.branch_groups else None, lw=0.3))
             t += dur
             if phase == "b" and self.sync_time[l] > 0:
                 ax.add_patch(Rectangle((t * ms, 0), self.sync_time[l] * ms, g, color="0.3"))
@@ -358,71 +441,109 @@ def _evaluate(tab: _Tables, ks: Sequence[int], in_k: int) -> float:
     return t
 
 
-def _make_plan(tab: _Tables, ks, in_k, num_devices, batch_size, limit) -> BurstPlan:
+def _make_plan(tab: _Tables, ks, in_k, num_devices, batch_size, limit,
+               branch_choice: dict | None = None) -> BurstPlan:
+    """branch_choice: {l: (branch width indices, transfer, critical branch)}."""
     L = len(ks)
+    branch_choice = branch_choice or {}
     prev, xfer = in_k, []
     for l, k in enumerate(ks):
-        xfer.append(tab.transfer(prev, k, l))
+        xfer.append(branch_choice[l][1] if l in branch_choice else tab.transfer(prev, k, l))
         prev = k
     K = len(tab.widths) - 1
     dp = float(tab.time[:, K].sum() + tab.sync[:, K].sum())
+    fwd = [float(tab.fwd[l, ks[l]]) for l in range(L)]
+    bwd = [float(tab.bwd[l, ks[l]]) for l in range(L)]
+    sync = [float(tab.sync[l, ks[l]]) for l in range(L)]
+    amp = [float(tab.time[l, k] * tab.widths[k] / tab.time[l, 0]) for l, k in enumerate(ks)]
+    groups = {}
+    for l, (bidx, _, crit) in branch_choice.items():
+        br, off, rows = tab.branches[l], 0, []
+        for b, kb in enumerate(bidx):
+            rows.append([off, tab.widths[kb], float(br["fwd"][b, kb]), float(br["bwd"][b, kb]),
+                         float(br["sync"][b, kb])])
+            off += tab.widths[kb]
+        groups[l] = rows
+        _, _, fwd[l], bwd[l], sync[l] = rows[crit]
+        amp[l] = float(sum(r[1] * (r[2] + r[3]) for r in rows)
+                       / (br["fwd"][:, 0] + br["bwd"][:, 0]).sum())
     return BurstPlan(widths=[tab.widths[k] for k in ks], layer_names=list(tab.names),
-                     fwd_time=[float(tab.fwd[l, ks[l]]) for l in range(L)],
-                     bwd_time=[float(tab.bwd[l, ks[l]]) for l in range(L)],
-                     sync_time=[float(tab.sync[l, ks[l]]) for l in range(L)],
-                     transfer_time=xfer, num_devices=num_devices, batch_size=batch_size,
-                     dp_time=dp, dp_width=tab.widths[K], amplification_limit=limit,
-                     amplification=[float(tab.time[l, k] * tab.widths[k] / tab.time[l, 0])
-                                    for l, k in enumerate(ks)])
+                     fwd_time=fwd, bwd_time=bwd, sync_time=sync, transfer_time=xfer,
+                     num_devices=num_devices, batch_size=batch_size, dp_time=dp,
+                     dp_width=tab.widths[K], amplification_limit=limit, amplification=amp,
+                     branch_groups=groups)
 
 
 def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1",
                topology: Topology | None = None, amplification_limit: float = 2.0,
                fast_layer_time: float = DEFAULT_FAST_LAYER_TIME,
-               small_batch: SmallBatchModel | None = None,
+               small_batch: SmallBatchModel | None = None, branches: dict | None = None,
                tables: _Tables | None = None) -> BurstPlan:
     """The fastest per-layer widths under the amplification limit (exact DP).
 
     costs: LayerCost list (any batch; scaled) or a function batch -> LayerCost list
     (e.g. profiled at every per-device batch, or analytic). The batch starts spread
-    over the widest width (data loaded on every device)."""
+    over the widest width (data loaded on every device). branches: {layer index: its
+    parallel branches' costs (list or batch -> list)}: such a layer may also run its
+    branches side by side on separate device groups (`BurstPlan.branch_groups`)."""
     if amplification_limit < 1:
         raise ValueError(f"plan_burst: amplification_limit={amplification_limit} must be >= 1 "
                          f"(1 allows no layer more than one device's time).")
     tab = tables or build_tables(costs, num_devices=num_devices, batch_size=batch_size,
                                  hardware=hardware, topology=topology, small_batch=small_batch,
-                                 fast_layer_time=fast_layer_time)
+                                 fast_layer_time=fast_layer_time, branches=branches)
     L, K = tab.time.shape
     in_k = K - 1
     best = np.full((L, K), np.inf)
     back = np.zeros((L, K), int)
-    for k in range(K):
-        if tab.allowed(0, k, amplification_limit):
-            best[0, k] = tab.transfer(in_k, k, 0) + tab.time[0, k] + tab.sync[0, k]
-    for l in range(1, L):
+    mode = np.zeros((L, K), bool)           # True: branches side by side
+    details = {}
+    for l in range(L):
+        prev = best[l - 1] if l else np.where(np.arange(K) == in_k, 0.0, np.inf)
+        opts = _branch_options(tab, l, amplification_limit, num_devices) \
+            if l in tab.branches else None
+        if opts:
+            details[l] = opts[1]
         for k in range(K):
-            if not tab.allowed(l, k, amplification_limit):
-                continue
-            cand = [best[l - 1, j] + tab.transfer(j, k, l) for j in range(K)]
-            j = int(np.argmin(cand))
-            best[l, k] = cand[j] + tab.time[l, k] + tab.sync[l, k]
-            back[l, k] = j
+            if tab.allowed(l, k, amplification_limit):
+                cand = [prev[j] + tab.transfer(j, k, l) for j in range(K)]
+                j = int(np.argmin(cand))
+                best[l, k] = cand[j] + tab.time[l, k] + tab.sync[l, k]
+                back[l, k] = j
+            if opts:
+                cand = prev + opts[0][:, k]
+                j = int(np.argmin(cand))
+                if cand[j] < best[l, k]:
+                    best[l, k], back[l, k], mode[l, k] = cand[j], j, True
+    if not np.isfinite(best[-1]).any():
+        raise ValueError("plan_burst: no feasible plan (every width is over the limit).")
     ks = [int(np.argmin(best[-1]))]
     for l in range(L - 1, 0, -1):
         ks.append(int(back[l, ks[-1]]))
     ks.reverse()
-    return _make_plan(tab, ks, in_k, num_devices, batch_size, amplification_limit)
+    choice = {l: details[l][(ks[l - 1] if l else in_k, ks[l])]
+              for l in range(L) if mode[l, ks[l]]}
+    return _make_plan(tab, ks, in_k, num_devices, batch_size, amplification_limit, choice)
 
 
-def brute_force(tab: _Tables, amplification_limit: float = 2.0) -> tuple[float, list]:
-    """(best iteration time, widths) over every feasible assignment (small cases: tests)."""
+def brute_force(tab: _Tables, amplification_limit: float = 2.0,
+                num_devices: int | None = None) -> tuple[float, list]:
+    """(best iteration time, widths) over every feasible assignment, branch modes
+    included (small cases: tests)."""
     L, K = tab.time.shape
+    G = num_devices or tab.widths[-1]
+    opts = {l: _branch_options(tab, l, amplification_limit, G)[0] for l in tab.branches}
+    choices = [[(k, False) for k in range(K) if tab.allowed(l, k, amplification_limit)]
+               + [(k, True) for k in range(K) if l in opts] for l in range(L)]
     best, arg = np.inf, None
-    for ks in itertools.product(range(K), repeat=L):
-        if all(tab.allowed(l, k, amplification_limit) for l, k in enumerate(ks)):
-            t = _evaluate(tab, ks, K - 1)
-            if t < best:
-                best, arg = t, [tab.widths[k] for k in ks]
+    for combo in itertools.product(*choices):
+        t, prev = 0.0, K - 1
+        for l, (k, branch) in enumerate(combo):
+            t += opts[l][prev, k] if branch else (tab.transfer(prev, k, l) + tab.time[l, k]
+                                                  + tab.sync[l, k])
+            prev = k
+        if t < best:
+            best, arg = t, [tab.widths[k] for k, _ in combo]
     return float(best), arg
 
 
