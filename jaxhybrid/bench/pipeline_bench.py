@@ -57,6 +57,9 @@ flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory tabl
 flags.DEFINE_list("memory_schedules", ",".join(MEMORY_SCHEDULES), "schedules of the memory table.")
 flags.DEFINE_list("speed_schedules", "1f1b,interleaved,zb-h1", "schedules of the CPU-seconds table.")
 flags.DEFINE_integer("speed_m", 8, "microbatches of the pipelined step in the CPU-seconds table.")
+flags.DEFINE_list("compile_schedules", "", "schedules whose Inception-V3 tiny step (data=2, "
+                  "pipe=4) compile time is measured (empty: skip).")
+flags.DEFINE_list("compile_m", "4,16", "microbatch counts of the compile-time table.")
 flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
                   "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
 
@@ -205,6 +208,25 @@ def padding_table(names, S: int = 4, M: int = 8) -> None:
               f"params={pad['total_params']:,} padding={pad['padding_waste']:.1%}")
 
 
+def compile_table(schedules, ms, model: str = "inception_v3") -> None:
+    """Wall seconds to lower + compile the default config's train step (tiny model,
+    data=2, pipe=4, planner boundaries, microbatch 8, dropout), per schedule and M."""
+    from jaxhybrid.models import get_model
+    spec = get_model(model, size="tiny", num_classes=10, image_size=75, dropout_rate=0.1)
+    print(f"\ncompile time of the {model} tiny step, data=2 x pipe=4, microbatch 8:")
+    for schedule in schedules:
+        for M in ms:
+            x, y = spec.sample_batch(2 * M * 8)
+            p = jp.Pipeline(spec.layers, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=M,
+                            schedule=schedule, remat="none")
+            variables = p.init(jax.random.key(0, impl="rbg"), x)
+            step = p.value_and_grad(spec.loss_fn)
+            t = time.perf_counter()
+            step.lower(variables, x, y, jax.random.key(1)).compile()
+            print(f"  {schedule:12} M={M:<3} stages={p.num_stages:<2} boundaries={p.boundaries} "
+                  f"compile {time.perf_counter() - t:.1f} s", flush=True)
+
+
 def main(argv) -> None:
     del argv
     if jax.device_count() < 8:
@@ -216,6 +238,8 @@ def main(argv) -> None:
     print(f"model={FLAGS.model} layers={len(layers)} microbatch={mb} "
           f"devices={jax.device_count()} x {jax.devices()[0].platform} "
           f"cores={os.cpu_count()}\n")
+    if FLAGS.compile_schedules:
+        compile_table(FLAGS.compile_schedules, [int(m) for m in FLAGS.compile_m])
     print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
                                     [int(m) for m in FLAGS.memory_m],
                                     schedules=FLAGS.memory_schedules))
