@@ -91,6 +91,7 @@ class Schedule:
     tasks: tuple
     split_backward: bool = False
     forward_only: bool = False
+    options: tuple = ()          # the builder's options, ((name, value), ...)
 
     @property
     def num_stages(self) -> int:
@@ -566,7 +567,8 @@ def forward_schedule(sched: Schedule) -> Schedule:
 
 @functools.lru_cache(maxsize=256)
 def _cached(name: str, num_stages: int, num_microbatches: int, options: tuple) -> Schedule:
-    return SCHEDULES[name](num_stages, num_microbatches, **dict(options))
+    return dataclasses.replace(SCHEDULES[name](num_stages, num_microbatches, **dict(options)),
+                               options=options)
 
 
 def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,

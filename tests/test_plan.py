@@ -51,6 +51,27 @@ def test_boundaries_valid_and_optimal():
         assert p.predicted_step_time > 0 and 0 <= p.bubble_fraction < 1
 
 
+@pytest.mark.parametrize("schedule,options", [("interleaved", {"virtual_stages": 2}),
+                                              ("zbv", {}), ("zb-h1", {})])
+def test_virtual_and_split_schedules_plan_optimal_chunks(schedule, options):
+    # S devices x v stages: the partition cuts S*v chunks, optimal against brute force;
+    # the step time is read from the table actually executed.
+    costs = hetero(10)
+    sched = make_schedule(schedule, 2, 4, **options)
+    K = sched.num_stages
+    p = make_plan(costs, num_stages=2, num_microbatches=4, schedule=sched)
+    assert p.num_stages == K and len(p.boundaries) == K - 1
+    assert p.virtual_stages == sched.virtual_stages and p.schedule_table() == sched
+    best = min(make_plan(costs, num_stages=2, num_microbatches=4, schedule=sched,
+                         boundaries=list(c)).bottleneck_time
+               for c in itertools.combinations(range(1, 10), K - 1))
+    assert p.bottleneck_time == pytest.approx(best, rel=1e-12)
+    f, b = p._tick_costs()
+    assert p.predicted_step_time == pytest.approx(sched.tick_times(f, b).sum()
+                                                  + max(p.stage_allreduce_time))
+    assert Plan.from_json(p.to_json()).schedule_table() == sched
+
+
 def test_fixed_boundaries_are_kept_and_checked():
     costs = hetero(8)
     p = make_plan(costs, num_stages=3, num_microbatches=4, boundaries=[2, 5])

@@ -46,6 +46,7 @@ class Plan:
     memory_model: str = "per_stage"             # "spmd": buffers padded to the largest stage
     device_memory: float | None = None          # spmd: bytes every device allocates
     virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
+    schedule_options: dict | None = None        # the schedule builder's options
 
     def __post_init__(self):
         S = self.num_stages
@@ -81,9 +82,8 @@ class Plan:
         return np.array(self.stage_fwd_time) + half, np.array(self.stage_bwd_time) + half
 
     def schedule_table(self):
-        opts = {"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
-                             self.num_microbatches, **opts)
+                             self.num_microbatches, **(self.schedule_options or {}))
 
     @property
     def predicted_step_time(self) -> float:
@@ -281,7 +281,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
-                memory_model=memory_model, device_memory=device_mem, virtual_stages=v)
+                memory_model=memory_model, device_memory=device_mem, virtual_stages=v,
+                schedule_options=dict(sched.options))
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
