@@ -33,6 +33,8 @@ flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache",
                     "where profiled costs are cached")
 flags.DEFINE_bool("json", False, "print one JSON document instead of tables")
 flags.DEFINE_string("plot", None, "PNG path: devices x time of the plan (one model/cluster)")
+flags.DEFINE_bool("branches", True, "let layers made of parallel branches (Inception blocks) "
+                  "run them side by side on separate device groups")
 
 PAPER = "DeepPool (MLSys 2022): 2.2-2.4x total cluster throughput over single-job DP " \
         "(arXiv v1), 1.2-2.3x (final)"
@@ -59,18 +61,29 @@ def model_costs(name: str, size: str, cache_dir: str):
     return costs
 
 
+def branch_costs(name: str, size: str):
+    """{layer: per-branch costs at batch 1} of the model's concatenating layers."""
+    from jaxhybrid import models
+    from jaxhybrid.burst.branches import model_branch_costs
+    spec = models.get_model(name, size)
+    return model_branch_costs(spec.layers, spec.sample_batch(1)[0])
+
+
 def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: float,
-            fast: float, efficiency: float):
+            fast: float, efficiency: float, branches=None):
     from jaxhybrid.plan import burst
     bg_step = burst.single_device_step_time(costs, bg_batch, hardware)
     rows, plans = [], []
     for G in devices:
         p = burst.plan_burst(costs, num_devices=G, batch_size=batch, hardware=hardware,
-                             amplification_limit=limit, fast_layer_time=fast)
+                             amplification_limit=limit, fast_layer_time=fast,
+                             branches=branches)
         t = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency)
         tf = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency,
                               forward_only=True)
-        rows.append({"devices": G, "widths": p.widths, "iteration_ms": 1e3 * p.iteration_time,
+        rows.append({"devices": G, "widths": p.widths, "branch_groups": {
+                         str(l): [[o, g] for o, g, *_ in v] for l, v in p.branch_groups.items()},
+                     "iteration_ms": 1e3 * p.iteration_time,
                      "dp_ms": 1e3 * p.dp_time, "device_time_vs_dp": p.device_time / p.dp_device_time,
                      **{k: v for k, v in t.to_dict().items() if k not in ("num_devices", "batch_size")},
                      "ratio_forward_idle_only": tf.ratio})
@@ -86,10 +99,11 @@ def main(argv):
            "mux_efficiency": FLAGS.mux_efficiency, "results": []}
     for name in FLAGS.model:
         costs = model_costs(name, FLAGS.size, FLAGS.cache_dir)
+        branches = branch_costs(name, FLAGS.size) if FLAGS.branches else None
         for hw in FLAGS.hardware:
             rows, plans = project(costs, hw, devices, FLAGS.batch, FLAGS.bg_batch,
                                   FLAGS.amplification_limit, FLAGS.fast_layer_time,
-                                  FLAGS.mux_efficiency)
+                                  FLAGS.mux_efficiency, branches)
             out["results"].append({"model": name, "size": FLAGS.size, "hardware": hw, "rows": rows})
             if FLAGS.plot:
                 plans[-1].plot(FLAGS.plot, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
@@ -107,7 +121,8 @@ def main(argv):
             print(f"{x['devices']:>5} {x['iteration_ms']:>8.2f} {x['dp_ms']:>8.2f} "
                   f"{x['foreground']:>9.0f} {x['background']:>9.0f} {x['data_parallel']:>9.0f} "
                   f"{x['idle_fraction']:>5.0%} {x['ratio']:>7.2f}x {x['ratio_forward_idle_only']:>7.2f}x"
-                  f"  {','.join(map(str, x['widths']))}")
+                  f"  {','.join(map(str, x['widths']))}"
+                  + (f"  branches {x['branch_groups']}" if x["branch_groups"] else ""))
 
 
 if __name__ == "__main__":
