@@ -286,12 +286,9 @@ class SplitModel:
         for j in range(len(leaves)):
             if leaves[j] is None and self.adapter.colls[j] in present:
                 raise ValueError(f"Splitter: no piece holds {self.adapter.names[j]}.")
-        if present >= set(self.adapter.colls) - {c for i, c in enumerate(self.adapter.colls)
-                                                   if i in self._rng_values}:
-            keep = None if all(v is not None for v in leaves) else present
-        else:
-            keep = present
-        if keep is not None:
+        keep = None if present >= {self.adapter.colls[j] for j in self.adapter.program_vars} \
+            else present
+        if keep is not None:   # a partial tree (e.g. only "params"): fill, then filter
             leaves = [v if v is not None else np.zeros(a.shape, a.dtype)
                       for v, a in zip(leaves, self.adapter.avals)]
         return self.adapter.tree(leaves, keep)
