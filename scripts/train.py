@@ -63,6 +63,8 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "multi-process: seconds after which a silent (dead) process "
     "stops the others with an error naming it", flag_values=_STARTUP)
 flags.FLAGS.append_flag_values(_STARTUP)
+for _name in list(_STARTUP):                 # listed by --help with the other flags
+    flags.FLAGS.register_flag_by_module(sys.argv[0], _STARTUP[_name])
 
 
 def _parse_flags(argv):
