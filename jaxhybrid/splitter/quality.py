@@ -7,6 +7,10 @@ the same way; the planner's partition DP then picks the best contiguous split of
 
     python -m jaxhybrid.splitter.quality            # GPT tiny (tied) and Inception-V3 tiny
     python -m jaxhybrid.splitter.quality overhead   # CPU-s of a step: one module vs a list
+    python -m jaxhybrid.splitter.quality thirdparty # models nobody here wrote (see below)
+
+`thirdparty` needs `pip install --no-deps --target DIR bottleneck-transformer-flax
+deepvit-flax einops` and DIR on PYTHONPATH (they are not dependencies of jaxhybrid).
 """
 from __future__ import annotations
 
@@ -119,8 +123,61 @@ def overhead(repeats: int = 7) -> float:
     return ms / ml
 
 
+def _third_party_models():
+    import importlib.util
+    from bottleneck_transformer_flax.botnet import BoTNet, BoTNetConfig
+    # deepvit-flax's own __init__ imports a name that does not exist: load the module file.
+    path = importlib.util.find_spec("deepvit_flax").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("deepvit", os.path.join(path, "deepvit.py"))
+    deepvit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deepvit)
+    return [("BoTNet (bottleneck-transformer-flax)",
+             BoTNet(BoTNetConfig(stage_sizes=[1, 1], num_classes=5, initial_filters=4,
+                                 num_heads=2, head_dim=4)), (16, 16, 3), {"train": False}),
+            ("DeepViT (deepvit-flax)",
+             deepvit.DeepViT(image_size=8, patch_size=4, num_classes=5, dim=16, depth=2,
+                             heads=2, mlp_dim=32, dim_head=8), (8, 8, 3), {})]
+
+
+def third_party(data: int = 2, stages: int = 2, microbatches: int = 2) -> None:
+    """Exactness of models from PyPI packages, split and planned automatically."""
+    import jax.numpy as jnp
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+
+    def loss_fn(y, t):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(y), t[:, None], -1))
+
+    rel = lambda a, b: max(float(np.abs(np.asarray(p) - np.asarray(q)).max() /
+                                 (np.abs(np.asarray(q)).max() + 1e-30))
+                           for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    r = np.random.RandomState(0)
+    for name, model, shape, init_kw in _third_party_models():
+        x = r.randn(data * microbatches * 2, *shape).astype(np.float32)
+        t = r.randint(0, 5, size=(x.shape[0],)).astype(np.int32)
+        native = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                            x[:1], **init_kw)
+        if "batch_stats" in native:
+            native = {**native, "batch_stats": jax.tree.map(lambda a: a + 0.3,
+                                                            native["batch_stats"])}
+        pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=data, pipe=stages),
+                           num_microbatches=microbatches, schedule="1f1b", remat="none")
+        pipe.init(jax.random.key(0), x)
+        v = pipe.pack(native)
+        key = jax.random.key(5)
+        loss, g, new = pipe.value_and_grad(loss_fn)(v, x, t, key)
+        rl, rg, rv = jp.reference_value_and_grad([model], [native], loss_fn, x, t, data=data,
+                                                 num_microbatches=microbatches, rng=key)
+        stats = (f", batch_stats {rel(pipe.unpack(new)['batch_stats'], rv[0]['batch_stats']):.1e}"
+                 if "batch_stats" in native else "")
+        print(f"{name}: {len(pipe.layers)} pieces, cut {pipe.boundaries}; loss rel. error "
+              f"{abs(float(loss) - float(rl)) / abs(float(rl)):.1e}, grads "
+              f"{rel(pipe.unpack({**v, 'params': g})['params'], rg[0]):.1e}{stats}")
+
+
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8")
     jax.config.update("jax_platforms", "cpu")
-    overhead() if sys.argv[1:] == ["overhead"] else main()
+    {"overhead": overhead, "thirdparty": third_party}.get(
+        (sys.argv[1:] or ["main"])[0], main)()
