@@ -51,6 +51,28 @@ def test_planner_chooses_boundaries_and_matches_reference():
     _assert_grads_equal(grads, ref_grads)
 
 
+@pytest.mark.parametrize("schedule,options", [("interleaved", {"virtual_stages": 2}),
+                                              ("zb-h1", {})])
+def test_planner_splits_virtual_and_split_schedules(schedule, options):
+    # The planner cuts pipe x v stages; the planned pipeline stays exact, and its
+    # variables restore into a 1f1b pipeline of another mesh (layout-independent).
+    inputs, labels = mm.make_batch(12)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=3,
+                       schedule=schedule, remat="none", **options)
+    variables = pipe.init(jax.random.key(0), inputs)
+    assert pipe.plan.num_stages == pipe.num_stages == 2 * options.get("virtual_stages", 1)
+    per_layer = pipe.unpack(variables)
+    loss, got = _run(pipe, per_layer, inputs, labels)
+    ref_loss, ref = _reference(per_layer, inputs, labels, 1, 3)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    _assert_grads_equal(got, ref)
+    other = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=3,
+                        boundaries=[2, 4, 6])
+    back = other.unpack(other.pack(per_layer))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(per_layer)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_auto_remat_under_a_budget_recomputes_and_stays_exact():
     inputs, labels = mm.make_batch(8)
     mesh = jh.make_mesh(data=1, pipe=2)
