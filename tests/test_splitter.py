@@ -12,6 +12,7 @@ from flax import nnx
 
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
+from jaxhybrid.layers import apply_layer, layer_rng
 from jaxhybrid.splitter import SplitModel
 
 RNG = jax.random.key(3)
@@ -254,6 +255,49 @@ def test_scan_is_split_between_pieces():
     assert len({n.split("[")[1] for n in sliced}) >= 2, names
     back = split.from_layer_vars(split.to_layer_vars(native))
     _close(back, native, "round trip")
+
+
+@jax.custom_vjp
+def _clip_grad(x):
+    return x
+
+
+_clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+
+
+class Nested(nn.Module):
+    """jax.jit, nn.remat, custom_vjp (a gradient rule that must survive) and lax.cond."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = jax.jit(lambda a: jnp.tanh(a) * 2.0)(nn.Dense(8)(x))
+        x = nn.remat(ScanBody)()(x, None)[0]
+        x = _clip_grad(nn.Dense(8)(x))
+        x = jax.lax.cond(x.sum() > 0, lambda a: a * 2.0, lambda a: a - 1.0, x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(3)(x)
+
+
+def test_nested_calls_pieces_equal_the_model():
+    model = Nested()
+    x, t = _vectors(4, seed=3)
+    native = model.init(jax.random.key(0), x)
+    split = SplitModel(model, x, max_pieces=12)
+    assert split.num_pieces >= 6   # jit and remat regions are inlined, so cut inside
+    key = jax.random.key(9)
+
+    def pieces(params):
+        h = x
+        for i, (piece, v) in enumerate(zip(split.layers, split.to_layer_vars({"params": params}))):
+            h, _ = apply_layer(piece, v, h, train=True, rng=layer_rng(key, 0, i))
+        return mse(h, t)
+
+    def whole(params):
+        return mse(model.apply({"params": params}, x, train=True,
+                               rngs={"dropout": layer_rng(key, 0, 0)}), t)
+
+    (l1, g1), (l2, g2) = [jax.value_and_grad(f)(native["params"]) for f in (pieces, whole)]
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    _close(g1, g2, "grads")
 
 
 def _nnx_reference(model, x, t, data, M):

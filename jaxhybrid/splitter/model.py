@@ -245,7 +245,9 @@ class SplitModel:
             d: dict = {}
             for key in keys:
                 j, a, b = key
-                v = np.asarray(jax.device_get(leaves[j]))
+                v = leaves[j]
+                if not isinstance(v, jax.core.Tracer):   # host copies; traced values stay
+                    v = np.asarray(jax.device_get(v))
                 coll, name = self.var_name(key)
                 d.setdefault(coll, {})[name] = v if a is None else v[a:b]
             out.append(d)
