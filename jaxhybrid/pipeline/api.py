@@ -28,7 +28,10 @@ class Pipeline:
     replicated over `mesh.shape["data"]` data-parallel replicas.
 
     Args:
-      layers: flax.linen Modules; each one's output pytree is the next one's input.
+      layers: flax.linen Modules; each one's output pytree is the next one's input. Or one
+        model (flax.linen / flax.nnx Module, or a `jaxhybrid.splitter.SplitModel`): it is
+        split into pieces that act as the layers (docs/splitter.md); `init`, `pack` and
+        `unpack` then use the model's own variable tree.
       mesh: a Mesh with axes "data" and "pipe" (`jaxhybrid.make_mesh`).
       num_microbatches: M; each data replica's batch is split into M microbatches.
       schedule: "gpipe" | "1f1b".
@@ -42,6 +45,9 @@ class Pipeline:
       topology: a `jaxhybrid.plan.Topology` or spec string; the planner then weighs the
         boundary transfers over the links each cut crosses.
       plan: a `jaxhybrid.plan.Plan` to run as is (boundaries and remat from it).
+      call_kwargs: constant keyword arguments of a single model's call.
+      sample_inputs: lets a single model be split here (else in `init`); needed for
+        explicit `boundaries` (piece indices) on a model.
 
     `pipe.plan` is the plan in use (`.summary()`, `.to_json()`, `.plot(path)`); it is
     made by `init` and, for explicit boundaries, on first access after `init`.
