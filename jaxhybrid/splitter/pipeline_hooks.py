@@ -10,8 +10,6 @@ copies of a parameter receive the summed gradient and state copies follow their 
 from __future__ import annotations
 
 import functools
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -42,14 +40,10 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
     stages = int(dict(getattr(mesh, "shape", {})).get("pipe", 1))
     s = ModelSplitter(layers, call_kwargs, None)
     if sample_inputs is not None:
-        s.split_at(_microbatch(sample_inputs, mesh), stages)
+        s.split_at(jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs), stages)
         return s, s.split.layers
     # Enough stand-ins for any stage count (virtual stages included) until the split.
     return s, [_PendingPiece()] * max(256, stages)
-
-
-def _microbatch(sample, mesh):
-    return jax.tree.map(lambda a: jnp.asarray(a)[:1], sample)
 
 
 class ModelSplitter:

@@ -50,9 +50,6 @@ class Op:
     def name(self) -> str:
         return self.eqn.primitive.name
 
-    def signature(self) -> str:
-        return self.eqn.primitive.name
-
 
 @dataclasses.dataclass
 class Program:
