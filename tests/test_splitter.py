@@ -300,6 +300,31 @@ def test_nested_calls_pieces_equal_the_model():
     _close(g1, g2, "grads")
 
 
+class Flagged(nn.Module):
+    """`deterministic` instead of `train`, and a required constant keyword argument."""
+    @nn.compact
+    def __call__(self, x, deterministic: bool, *, scale: float):
+        h = nn.Dropout(0.5, deterministic=deterministic)(nn.Dense(8)(x)) * scale
+        return nn.Dense(3)(jnp.tanh(nn.Dense(8)(h)))
+
+
+def test_deterministic_flag_and_call_kwargs():
+    model = Flagged()
+    x, _ = _vectors(4)
+    split = SplitModel(model, x, call_kwargs={"scale": 3.0}, max_pieces=4)
+    native = split.init_variables(jax.random.key(0), x)
+    key = jax.random.key(2)
+    for train in (True, False):
+        h = x
+        for i, (piece, v) in enumerate(zip(split.layers, split.to_layer_vars(native))):
+            h, _ = apply_layer(piece, v, h, train=train, rng=layer_rng(key, 0, i))
+        want = model.apply(native, x, deterministic=not train, scale=3.0,
+                           rngs={"dropout": layer_rng(key, 0, 0)})
+        np.testing.assert_allclose(np.asarray(h), np.asarray(want), rtol=1e-6)
+    with pytest.raises(ValueError, match="do not pass deterministic"):
+        SplitModel(model, x, call_kwargs={"scale": 3.0, "deterministic": True})
+
+
 def _nnx_reference(model, x, t, data, M):
     graphdef, state = nnx.split(model)
     params, rest = state.filter(nnx.Param), state.filter(lambda p, v: not isinstance(v, nnx.Param))

@@ -5,7 +5,7 @@ An adapter flattens the model's own variable tree (what `model.init` returns for
 "batch_stats", ...) and name, and gives
     forward(var_leaves, x, key, train) -> (y, new values of the state leaves)
 with the model called as `model(x, **call_kwargs)`, `train=` set when `__call__` takes it
-(linen) or the NNX attributes `deterministic` / `use_running_average` set (NNX). The
+(linen; else `deterministic=not train` when it takes that) or the NNX attributes `deterministic` / `use_running_average` set (NNX). The
 "dropout" rng of a linen model is `key` (raw uint32 key data). NNX rng streams (RngKey /
 RngCount variables) are not trained: while split they are re-seeded per microbatch,
 stream j (in state order) drawing from fold_in(key, j) with its count at 0.
@@ -13,7 +13,6 @@ stream j (in state order) drawing from fold_in(key, j) with its count at 0.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import Any
 
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.layers import init_layer
 
 PyTree = Any
 
@@ -51,6 +49,7 @@ class Adapter:
     program_vars: list = None  # leaf indices that are traced inputs (not NNX rng state)
     rng_leaves: list = None   # NNX: (leaf index, "key" | "count")
     takes_train: bool = False
+    takes_deterministic: bool = False   # linen __call__(..., deterministic=) instead of train
     graphdef: Any = None
     paths: list = None        # tree path per leaf
 
@@ -84,9 +83,19 @@ class Adapter:
         if self.kind == "nnx":
             return nnx.state(self.model)
         with jax.threefry_partitionable(False):
-            variables, _ = jax.jit(functools.partial(init_layer, self.model, train=False))(
-                rng, jax.tree.map(lambda a: jnp.asarray(a)[:1], x))
-        return variables
+            return jax.jit(self.init_fn)(rng, jax.tree.map(lambda a: jnp.asarray(a)[:1], x))
+
+    def init_fn(self, rng, x):
+        """model.init in evaluation mode with the call's keyword arguments; the keys as
+        `jaxhybrid.layers.init_layer` splits them."""
+        params_key, dropout_key = jax.random.split(rng)
+        kw = dict(self.call_kwargs)
+        if self.takes_train:
+            kw["train"] = False
+        elif self.takes_deterministic:
+            kw["deterministic"] = True
+        return nn.meta.unbox(dict(self.model.init({"params": params_key, "dropout": dropout_key},
+                                                  x, **kw)))
 
     # --- the forward ----------------------------------------------------------------
     def forward(self, var_leaves: list, x, key, train: bool):
@@ -102,6 +111,8 @@ class Adapter:
         kw = dict(self.call_kwargs)
         if self.takes_train:
             kw["train"] = train
+        elif self.takes_deterministic:
+            kw["deterministic"] = not train
         state_colls = sorted(set(self.colls) - {"params"})
         rngs = {"dropout": key} if key is not None else {}
         if train and state_colls:
@@ -151,16 +162,19 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
     if isinstance(model, nn.Module):
         a = Adapter(model, call_kwargs, "linen")
         try:
-            a.takes_train = "train" in inspect.signature(type(model).__call__).parameters
+            params = inspect.signature(type(model).__call__).parameters
         except (TypeError, ValueError):
-            a.takes_train = False
-        if a.takes_train and "train" in call_kwargs:
-            raise ValueError("Splitter: do not pass train in call_kwargs; the pipeline sets it "
-                             "(True in value_and_grad, False in apply).")
+            params = {}
+        a.takes_train = "train" in params
+        a.takes_deterministic = not a.takes_train and "deterministic" in params
+        for name, taken in (("train", a.takes_train), ("deterministic", a.takes_deterministic)):
+            if taken and name in call_kwargs:
+                raise ValueError(f"Splitter: do not pass {name} in call_kwargs; the pipeline "
+                                 f"sets it (training in value_and_grad, evaluation in apply).")
         abstract = _trace_errors(lambda: jax.eval_shape(
-            functools.partial(init_layer, model, train=False), jax.random.PRNGKey(0),
+            a.init_fn, jax.random.PRNGKey(0),
             jax.tree.map(lambda l: jax.ShapeDtypeStruct((1, *np.shape(l)[1:]), l.dtype),
-                         sample_x)))[0]
+                         sample_x)))
         flat, a.treedef = jax.tree_util.tree_flatten_with_path(abstract)
         a.paths = [tuple(p) for p, _ in flat]
         a.colls = [_path_name(p[:1]) for p, _ in flat]
