@@ -486,6 +486,9 @@ def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1"
     over the widest width (data loaded on every device). branches: {layer index: its
     parallel branches' costs (list or batch -> list)}: such a layer may also run its
     branches side by side on separate device groups (`BurstPlan.branch_groups`)."""
+    if num_devices < 1 or batch_size < 1:
+        raise ValueError(f"plan_burst: num_devices={num_devices} and batch_size={batch_size} "
+                         f"must be >= 1.")
     if amplification_limit < 1:
         raise ValueError(f"plan_burst: amplification_limit={amplification_limit} must be >= 1 "
                          f"(1 allows no layer more than one device's time).")

@@ -1,0 +1,50 @@
+"""DeepPool's workloads in the model zoo: VGG-16 and the wide ResNet (torchvision's
+parameter counts at full size, from shapes only; tiny sizes run forward and backward)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid import models
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@pytest.mark.parametrize("name, params, layers", [("vgg16", 138_357_544, 16),
+                                                  ("wrn", 126_886_696, 35)])
+def test_full_size_matches_torchvision(name, params, layers):
+    spec = models.get_model(name, "full")
+    assert models.count_params(spec) == params
+    assert len(spec.layers) == layers
+    assert name in models.registered_models() and name not in models.MODEL_NAMES
+
+
+@pytest.mark.parametrize("name", ["vgg16", "wrn"])
+def test_tiny_trains(name):
+    spec = models.get_model(name, "tiny")
+    x, y = spec.sample_batch(4)
+    variables = spec.init(jax.random.key(0, impl="rbg"), x[:2])
+
+    def loss(params, rng):
+        out, new_vars = spec.apply([{**v, "params": p} for v, p in zip(variables, params)], x,
+                                   train=True, rng=rng)
+        return spec.loss_fn(out, y), (out, new_vars)
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST_COMPILE)
+    (value, (out, new_vars)), grads = fn([v["params"] for v in variables], jax.random.PRNGKey(1))
+    assert out.shape == (4, spec.config["num_classes"]) and np.isfinite(float(value))
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
+    if name == "wrn":      # BatchNorm statistics move in training
+        before = jax.tree.leaves([v.get("batch_stats") for v in variables])
+        after = jax.tree.leaves([v.get("batch_stats") for v in new_vars])
+        assert any(float(jnp.abs(a - b).max()) > 0 for a, b in zip(after, before))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        models.get_model("vgg16", "tiny", image_size=40)
+    with pytest.raises(ValueError, match="four positive counts"):
+        models.get_model("wrn", "tiny", blocks=(1, 1, 1))
+    with pytest.raises(ValueError, match="unknown option"):
+        models.get_model("wrn", "tiny", depth=10)
