@@ -245,6 +245,11 @@ def test_skip_connection_crosses_two_forced_cuts():
     _, segs = split._segments(jax.ShapeDtypeStruct((2, 5), jnp.float32), True)
     carried = set(segs[0].live_out) & set(segs[1].live_out)
     assert carried, "the skip value x0 travels through piece 1"
+    # Outside a pipeline the marker is an identity, also under jit, grad and vmap.
+    f = lambda v: jnp.sum(jp.stage_boundary({"a": v * 2.0})["a"] ** 2)
+    v = jnp.arange(3.0)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(v), 8.0 * v)
+    np.testing.assert_allclose(jax.vmap(f)(v), 4.0 * v ** 2)
 
 
 def test_scan_is_split_between_pieces():
