@@ -230,6 +230,10 @@ def test_assign_slots_order_and_idle_layers():
         assert (np.diff(table[d]) >= 0).all()
         assert all(widths[l] <= d for l in table[d])
     assert set(table[1]) == {3}                # device 1 idles in layer 3 only
+    slots = multiplex.slot_widths(widths)      # forward, then backward in reverse
+    assert slots == [8, 2, 4, 1, 2, 2, 1, 4, 2, 8]
+    both = multiplex.assign_slots(slots, G, 8)
+    assert set(both[1]) == {3, 6}              # layer 3's forward and its backward
 
 
 def test_multiplexed_jobs_equal_each_alone():
@@ -248,10 +252,11 @@ def test_multiplexed_jobs_equal_each_alone():
     k1, k2 = jax.random.PRNGKey(1), jax.random.PRNGKey(3)
     fg_loss, fg_new, bg_loss, bg_new = multiplex.multiplexed_step(mux, fts, bts, x, y, bx, by,
                                                                   k1, k2)
-    # Foreground: exactly the burst train step alone.
+    # Foreground: the burst train step alone (its backward written out instead of
+    # autodiff's: equal up to float rounding).
     a_loss, a_new = burst.train_step(prog, opt, fts, x, y, k1)
-    assert float(fg_loss) == float(a_loss)
-    assert _max_err(fg_new, a_new) == 0.0
+    assert float(fg_loss) == pytest.approx(float(a_loss), rel=1e-6)
+    assert _max_err(fg_new, a_new) < 1e-5
     # Background: device d's instance equals its plain single-device step (jax.grad).
     runs = mux.runs_background
     assert not runs[0] and runs[1:].all()

@@ -214,6 +214,73 @@ def local_value_and_grad(program, params, states, x, t, rng, idle=None, carry=No
     return loss, grads, new_states, carry
 
 
+def _zeros(shapes):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, idle, carry):
+    """`local_value_and_grad` with the backward pass written out layer by layer, so that
+    idle devices can work in the backward too: `idle(slot, carry)` runs in the skip
+    branch of forward layer l (slot l) and of backward layer l (slot 2L-1-l). Each
+    layer's `jax.vjp` residuals leave its forward cond as flat leaves (zeros on skipping
+    devices) and feed its backward cond: no recompute. The cotangent goes back through
+    the reverse relayouts (a relayout only permutes rows). Same math as autodiff;
+    float rounding may differ."""
+    G, B, L = program.num_devices, program.batch_size, len(program.layers)
+    d = jax.lax.axis_index(DATA)
+    widths, layers = program.widths, program.layers
+    treedefs: dict = {}
+    residuals, new_states, g_prev = [], [], G
+    for l, (layer, g) in enumerate(zip(layers, widths)):
+        x = _relayout(x, g_prev, g, B)
+        key = layer_rng(rng, d, l) if rng is not None else None
+
+        def run(p, st, xx, c, _l=l, _layer=layer, _key=key):
+            def f(pp, *xs):
+                return apply_layer(_layer, {"params": pp, **st}, xs[0] if xs else xx, train=True,
+                                   rng=_key)
+            args = (p,) if _l == 0 else (p, xx)      # the model inputs need no gradient
+            y, vjp_fn, st2 = jax.vjp(f, *args, has_aux=True)
+            leaves, treedefs[_l] = jax.tree.flatten(vjp_fn)
+            return y, leaves, _unbox_like(st2, st), c
+
+        shapes = jax.eval_shape(run, params[l], states[l], x, carry)
+
+        def skip(p, st, xx, c, _l=l, _shapes=shapes):
+            return _zeros(_shapes[0]), _zeros(_shapes[1]), st, idle(_l, c)
+
+        x, res, st, carry = jax.lax.cond(d < g, run, skip, params[l], states[l], x, carry)
+        residuals.append(res)
+        new_states.append(st)
+        g_prev = g
+    t = _relayout(t, G, g_prev, B)
+
+    def loss_run(y, tt):
+        return jax.value_and_grad(
+            lambda yy: jnp.asarray(program.loss_fn(yy, tt), jnp.float32) / g_prev)(y)
+    obj, ct = jax.lax.cond(d < g_prev, loss_run,
+                           lambda y, tt: (jnp.zeros((), jnp.float32), jnp.zeros_like(y)), x, t)
+    grads = [None] * L
+    for l in reversed(range(L)):
+        g = widths[l]
+
+        def brun(res, ct_, c, _l=l):
+            out = jax.tree.unflatten(treedefs[_l], res)(ct_)
+            return out[0], (out[1] if _l else None), c
+
+        shapes = jax.eval_shape(brun, residuals[l], ct, carry)
+
+        def bskip(res, ct_, c, _l=l, _shapes=shapes):
+            return _zeros(_shapes[0]), _zeros(_shapes[1]), idle(2 * L - 1 - _l, c)
+
+        grads[l], ct, carry = jax.lax.cond(d < g, brun, bskip, residuals[l], ct, carry)
+        if l:
+            ct = _relayout(ct, g, widths[l - 1], B)
+    loss = jax.lax.psum(obj, DATA)
+    grads, new_states = reduce_grads(program, grads, states, new_states)
+    return loss, grads, new_states, carry
+
+
 def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2, n_keys: int = 1):
     """shard_map of `body(stacked..., batch..., keys...)` over the data axis: per-device
     stacked trees and batches split over it, rng keys replicated."""

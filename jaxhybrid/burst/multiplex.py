@@ -11,16 +11,15 @@ a list of tasks run in order,
     B{J-1} .. B0   backward of layer j from the stashed residuals (no recompute)
     U              optimizer update
 
-and `assign_slots` spreads them over device d's idle layers in the foreground's forward
-pass, in order, balancing estimated task times against idle times. The background state
-travels through the foreground's layer conds as a carry that no gradient flows into, so
-the foreground's losses and updates are those of the burst step alone, and the
-background's those of its plain step alone (tests/test_burst.py checks both). Devices
-with no idle layer (device 0 runs every layer) skip the background step.
-
-The foreground's backward pass is built by autodiff; its idle time is not filled here
-(a second carry would have to pass through the transposed conds): only forward idle time
-is used, which `assign_slots` reports.
+and `assign_slots` spreads them over device d's idle slots, in order, balancing
+estimated task times against idle times. A slot is a foreground layer's forward (slot l)
+or backward (slot 2L-1-l): the foreground runs with its backward written out layer by
+layer (`executor.explicit_value_and_grad`), so both passes have skip branches to fill.
+The background state travels through the foreground's conds as a carry of its own, so
+the foreground's losses and updates are those of the burst step alone (up to float
+rounding), and the background's those of its plain step alone (tests/test_burst.py
+checks both). Devices with no idle slot (device 0 runs every layer) skip the background
+step.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
-                                      local_value_and_grad, shard)
+                                      explicit_value_and_grad, shard)
 from jaxhybrid.layers import apply_layer, layer_rng
 from jaxhybrid.mesh import DATA
 
@@ -60,13 +59,20 @@ class BackgroundJob:
                 + ["U"])
 
 
+def slot_widths(widths: Sequence[int]) -> list[int]:
+    """Width of every slot in execution order: forward layers 0..L-1, then backward
+    layers L-1..0."""
+    return list(widths) + list(widths)[::-1]
+
+
 def assign_slots(widths: Sequence[int], num_devices: int, num_tasks: int,
                  idle_times: Sequence[float] | None = None,
                  task_times: Sequence[float] | None = None) -> np.ndarray:
-    """[G, num_tasks] table: the foreground layer in whose idle branch device d runs
-    task t (non-decreasing in t), or -1 where device d has no idle layer. Tasks are
-    placed by cumulative time: task t starts in the idle layer where the fraction
-    (time of tasks before t) / (all task time) falls in the cumulative idle time."""
+    """[G, num_tasks] table: the slot (index into `widths`, one width per slot in
+    execution order, e.g. `slot_widths`) in whose idle branch device d runs task t
+    (non-decreasing in t), or -1 where device d has no idle slot. Tasks are placed by
+    cumulative time: task t starts in the idle slot where the fraction (time of tasks
+    before t) / (all task time) falls in the cumulative idle time."""
     widths = np.asarray(widths)
     idle_t = np.ones(len(widths)) if idle_times is None else np.asarray(idle_times, float)
     task_t = np.ones(num_tasks) if task_times is None else np.asarray(task_times, float)
@@ -86,7 +92,8 @@ def assign_slots(widths: Sequence[int], num_devices: int, num_tasks: int,
 @dataclasses.dataclass(frozen=True, eq=False)
 class MuxProgram:
     """A foreground burst program with its optimizer, and a background job packed into
-    its idle branches by `slots` (`assign_slots`; default: equal task and idle times)."""
+    its idle branches by `slots` (`assign_slots` over `slot_widths(fg.widths)`;
+    default: equal task and idle times)."""
     fg: BurstProgram
     fg_optimizer: Any
     bg: BackgroundJob
@@ -94,15 +101,15 @@ class MuxProgram:
 
     def __post_init__(self):
         G, T = self.fg.num_devices, len(self.bg.task_names)
-        slots = (assign_slots(self.fg.widths, G, T) if self.slots is None
-                 else np.asarray(self.slots, int))
+        sw = np.asarray(slot_widths(self.fg.widths))
+        slots = (assign_slots(sw, G, T) if self.slots is None else np.asarray(self.slots, int))
         if slots.shape != (G, T):
             raise ValueError(f"MuxProgram: slots must be [{G} devices, {T} tasks], got {slots.shape}.")
         for d, row in enumerate(slots):
             if (row >= 0).any() and ((row < 0).any() or (np.diff(row) < 0).any()
-                                     or (np.asarray(self.fg.widths)[row] > d).any()):
+                                     or (row >= len(sw)).any() or (sw[row] > d).any()):
                 raise ValueError(f"MuxProgram: device {d}'s slots {row.tolist()} must be idle "
-                                 f"layers (width <= {d}) in non-decreasing order, or all -1.")
+                                 f"slots (width <= {d}) in non-decreasing order, or all -1.")
         object.__setattr__(self, "slots", slots)
 
     @property
@@ -207,24 +214,24 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     ran none), new bg state)."""
     prog = mux.fg
     slots = mux.slots
-    tasks_at = {l: [t for t in range(slots.shape[1]) if (slots[:, t] == l).any()]
-                for l in range(len(prog.layers))}
+    tasks_at = {s: [t for t in range(slots.shape[1]) if (slots[:, t] == s).any()]
+                for s in range(2 * len(prog.layers))}
 
     def body(fts, bts, x, t, bx, bt, frng, brng):
         fts, bts, bx, bt = _squeeze(fts), _squeeze(bts), _squeeze(bx), _squeeze(bt)
         d = jax.lax.axis_index(DATA)
         key = _bg_key(brng)
         treedefs: dict = {}
-        carry = jax.lax.stop_gradient(_initial_carry(mux.bg, bts, bx, bt, key, treedefs))
+        carry = _initial_carry(mux.bg, bts, bx, bt, key, treedefs)
         task_fns = _tasks(mux.bg, bt, key, treedefs)
         table = jnp.asarray(slots)
 
-        def idle(l, c):
-            for k in tasks_at[l]:
-                c = jax.lax.cond(table[d, k] == l, task_fns[k], lambda cc: cc, c)
+        def idle(slot, c):
+            for k in tasks_at[slot]:
+                c = jax.lax.cond(table[d, k] == slot, task_fns[k], lambda cc: cc, c)
             return c
 
-        loss, grads, new_states, carry = local_value_and_grad(
+        loss, grads, new_states, carry = explicit_value_and_grad(
             prog, fts["params"], fts["states"], x, t, frng, idle, carry)
         params, opt_state = apply_update(mux.fg_optimizer, fts["params"], fts["opt_state"], grads)
         new_fg = {"params": params, "states": new_states, "opt_state": opt_state}
