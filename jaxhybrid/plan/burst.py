@@ -349,7 +349,7 @@ class BurstPlan:
 
     def idle_time(self, forward_only: bool = False) -> np.ndarray:
         """Seconds each device is idle per iteration; forward_only: only while the
-        foreground runs forward (what `jaxhybrid.burst.multiplex` fills)."""
+        foreground runs forward."""
         if forward_only:
             idle = float(sum(self.fwd_time)) - self.busy_time(True)
         else:
@@ -598,8 +598,9 @@ def throughput(plan: BurstPlan, *, bg_step_time: float, bg_batch: int,
                fg_slowdown: float = 1.0) -> Throughput:
     """Cluster throughput with a background job (one instance per device, `bg_batch`
     examples per step of `bg_step_time` s alone) in the plan's idle time.
-    forward_only: only the foreground's forward idle time is used (what
-    `jaxhybrid.burst.multiplex` fills today); fg_slowdown: foreground iteration time
+    forward_only: only the foreground's forward idle time is used (a runtime that
+    cannot fill the backward; `jaxhybrid.burst.multiplex` fills both); fg_slowdown:
+    foreground iteration time
     multiplier under multiplexing."""
     T = plan.iteration_time * fg_slowdown
     idle = plan.idle_time(forward_only)
