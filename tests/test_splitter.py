@@ -191,9 +191,18 @@ def test_split_matches_unsplit_model(name, data, pipe_size, schedule, M):
     _run(name, data, pipe_size, schedule, M)
 
 
+@functools.lru_cache(maxsize=None)
+def _planned_resnet():
+    return _run("resnet", 2, 2, "gpipe", 2, planner=True)
+
+
 def test_planner_chooses_cuts_for_a_module():
-    pipe, variables, _ = _run("resnet", 2, 2, "gpipe", 2, planner=True)
-    # apply equals the model's own apply on the unpacked variables.
+    pipe, _, _ = _planned_resnet()
+    assert len(pipe.layers) > 2 and pipe.plan.boundaries == pipe.boundaries
+
+
+def test_apply_equals_model_apply_on_unpacked_variables():
+    pipe, variables, _ = _planned_resnet()
     model, _ = _native("resnet")
     x = _images(8, seed=5)[0]
     want = model.apply(pipe.unpack(variables), x)
