@@ -79,7 +79,8 @@ class SplitModel:
       model: a flax.linen.Module or flax.nnx.Module, called as model(x, **call_kwargs).
       sample_inputs: a pytree of arrays (batch-major) at the size the pieces are chosen
         for (one microbatch); pieces re-trace at other sizes.
-      max_pieces: at most this many pieces (the planner then groups them into stages).
+      max_pieces: about this many pieces, each ~1/max_pieces of the estimated cost (the
+        greedy choice may make a few more); the planner then groups them into stages.
       min_pieces: at least this many (e.g. the number of stages); an error says how many
         cut points the model has when it has fewer.
     """
