@@ -51,10 +51,12 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name,overrides", [
     # Explicit boundaries save the planner's profiling; gpt keeps the planner's choice.
+    # Other schedules from the config: interleaved (4 devices x 2 stages), zb-h1.
     ("gnmt_hybrid.py", {"train.batch_size": 16, "data.options.num_train": 64,
-                        "data.options.num_test": 32, "pipeline.boundaries": (3, 6, 9)}),
+                        "data.options.num_test": 32, "pipeline.schedule": "interleaved",
+                        "pipeline.boundaries": (2, 3, 4, 5, 6, 7, 9)}),
     ("biglstm_hybrid.py", {"train.batch_size": 16, "data.options.max_bytes": 40_000,
-                           "pipeline.boundaries": (1, 2, 3)}),
+                           "pipeline.schedule": "zb-h1", "pipeline.boundaries": (1, 2, 3)}),
     ("gpt_hybrid.py", {"train.batch_size": 16, "data.options.max_bytes": 40_000}),
 ])
 def test_every_config_runs_two_steps_at_tiny_size(tmp_path, name, overrides):

@@ -85,7 +85,8 @@ def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
         row, k, m = tab[t.tick, t.device], t.stage, t.microbatch
         if t.kind == TaskType.F:
             row[COL["f_stage"]], row[COL["f_mb"]] = k, m
-            row[COL["f_stash"]] = stash_slot[(dev[k], (k, m))]
+            if not sched.forward_only:   # forward-only programs stash nothing
+                row[COL["f_stash"]] = stash_slot[(dev[k], (k, m))]
             if k > 0:
                 row[COL["f_act"]] = act_slot[(dev[k], (k, m))]
             if k < K - 1:   # the output lands at stage k+1's device at the end of this tick
