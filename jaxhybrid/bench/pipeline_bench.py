@@ -240,9 +240,10 @@ def main(argv) -> None:
           f"cores={os.cpu_count()}\n")
     if FLAGS.compile_schedules:
         compile_table(FLAGS.compile_schedules, [int(m) for m in FLAGS.compile_m])
-    print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
-                                    [int(m) for m in FLAGS.memory_m],
-                                    schedules=FLAGS.memory_schedules))
+    if FLAGS.memory_m:
+        print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
+                                        [int(m) for m in FLAGS.memory_m],
+                                        schedules=FLAGS.memory_schedules))
     if FLAGS.padding_models:
         padding_table(FLAGS.padding_models)
 
