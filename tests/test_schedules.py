@@ -2,7 +2,6 @@
 figures the tables promise, control tables, and the runtime's B/W split and U tasks."""
 import dataclasses
 
-import numpy as np
 import pytest
 
 from jaxhybrid import schedules as sc

@@ -2,8 +2,8 @@
 from jaxhybrid.pipeline.api import Pipeline
 from jaxhybrid.pipeline.reference import reference_value_and_grad
 from jaxhybrid.pipeline.stages import even_boundaries
-from jaxhybrid.schedules import SCHEDULE_NAMES, Schedule, make_schedule
+from jaxhybrid.schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, make_schedule
 from jaxhybrid.splitter.program import stage_boundary  # noqa: F401 (a forced cut in a model)
 
-__all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULE_NAMES", "reference_value_and_grad",
-           "even_boundaries"]
+__all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULES", "SCHEDULE_NAMES",
+           "reference_value_and_grad", "even_boundaries", "stage_boundary"]

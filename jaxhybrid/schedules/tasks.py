@@ -1,0 +1,292 @@
+"""The schedule IR: typed tasks, the stage -> device map, and what follows from them
+(bubble, memory, ring buffers, validation, charts). See `jaxhybrid.schedules`."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import numpy as np
+
+IDLE = -1
+
+
+class TaskType(enum.IntEnum):
+    F = 0
+    B = 1
+    W = 2
+    U = 3
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Task:
+    tick: int
+    device: int
+    kind: TaskType
+    stage: int
+    microbatch: int = IDLE     # IDLE for U tasks
+
+    def __str__(self) -> str:
+        m = "" if self.kind == TaskType.U else str(self.microbatch)
+        return f"{self.kind.name}{m}" + (f"s{self.stage}" if self.stage >= 0 else "")
+
+
+def _broadcast(cost, n: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(cost, float), (n,)).copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Tasks and the stage -> device map. `num_devices` = pipeline depth S;
+    `num_stages` = S * virtual_stages; `split_backward`: B is the input-gradient half and
+    W tasks carry the weight gradient."""
+    name: str
+    num_devices: int
+    num_microbatches: int
+    stage_device: tuple
+    tasks: tuple
+    split_backward: bool = False
+    forward_only: bool = False
+    options: tuple = ()          # the builder's options, ((name, value), ...)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_device)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages // self.num_devices
+
+    @property
+    def num_ticks(self) -> int:
+        return 1 + max(t.tick for t in self.tasks)
+
+    @functools.cached_property
+    def _grids(self) -> dict:
+        T, D = self.num_ticks, self.num_devices
+        grids = {k: (np.full((T, D), IDLE), np.full((T, D), IDLE)) for k in TaskType}
+        for t in self.tasks:
+            st, mb = grids[t.kind]
+            st[t.tick, t.device], mb[t.tick, t.device] = t.stage, t.microbatch
+        return grids
+
+    def grid(self, kind: TaskType) -> tuple[np.ndarray, np.ndarray]:
+        """([ticks, devices] stage, [ticks, devices] microbatch) of `kind`'s tasks, IDLE
+        where a device runs no such task."""
+        return self._grids[TaskType(kind)]
+
+    def with_updates(self) -> "Schedule":
+        """The same schedule with a U task per device after the last backward of its
+        stages (a synchronous optimizer step inside the pipeline). U updates every stage
+        its device holds (the optimizer's step count advances once per device), so its
+        `stage` is the device's first stage."""
+        if any(t.kind == TaskType.U for t in self.tasks):
+            return self
+        last = TaskType.W if self.split_backward else TaskType.B
+        done = [-1] * self.num_devices
+        for t in self.tasks:
+            if t.kind == last:
+                done[t.device] = max(done[t.device], t.tick)
+        first = [self.stage_device.index(d) for d in range(self.num_devices)]
+        tasks = [*self.tasks, *(Task(done[d], d, TaskType.U, first[d])
+                                for d in range(self.num_devices))]
+        out = dataclasses.replace(self, tasks=tuple(sorted(tasks)))
+        out.validate()
+        return out
+
+    # --- derived quantities ----------------------------------------------------------
+    def work(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> np.ndarray:
+        """[ticks, devices] busy time of each device in each tick, from per-stage costs
+        (scalars or one per stage). bwd_cost is the full backward; a split schedule's B
+        and W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
+        K = self.num_stages
+        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
+                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+        out = np.zeros((self.num_ticks, self.num_devices))
+        for t in self.tasks:
+            out[t.tick, t.device] += cost[t.kind][t.stage]
+        return out
+
+    def tick_times(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None) -> np.ndarray:
+        """Duration of each lock-step tick: its busiest device's work."""
+        return self.work(fwd_cost, bwd_cost, weight_cost).max(axis=1)
+
+    def bubble_fraction(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None) -> float:
+        """Fraction of device time idle when the table runs in lock step with the given
+        per-stage costs (defaults: F = 1, B = 2, and B = W = 1 when split)."""
+        work = self.work(fwd_cost, bwd_cost, weight_cost)
+        return float(1.0 - work.sum() / (work.max(axis=1).sum() * self.num_devices))
+
+    def in_flight(self) -> np.ndarray:
+        """Per device, the most microbatch-stages whose forward ran and whose residuals are
+        still needed (backward, or W when split, not yet run) = residual stash slots."""
+        free = TaskType.W if self.split_backward else TaskType.B
+        delta = np.zeros((self.num_ticks + 1, self.num_devices), int)
+        for t in self.tasks:
+            if t.kind == TaskType.F:
+                delta[t.tick, t.device] += 1
+            elif t.kind == free:
+                delta[t.tick + 1, t.device] -= 1   # freed after the tick that reads it
+        return np.cumsum(delta, axis=0).max(axis=0)
+
+    def stage_in_flight(self) -> np.ndarray:
+        """Per stage, the most microbatches whose residuals it holds at once."""
+        free = TaskType.W if self.split_backward else TaskType.B
+        delta = np.zeros((self.num_ticks + 1, self.num_stages), int)
+        for t in self.tasks:
+            if t.kind == TaskType.F:
+                delta[t.tick, t.stage] += 1
+            elif t.kind == free:
+                delta[t.tick + 1, t.stage] -= 1
+        return np.cumsum(delta, axis=0).max(axis=0)
+
+    @functools.cached_property
+    def _rings(self):
+        K, dev = self.num_stages, self.stage_device
+        when = {(t.kind, t.stage, t.microbatch): t.tick for t in self.tasks}
+        last = TaskType.W if self.split_backward else TaskType.B
+        act, grad, stash, cross = [], [], [], []   # (device, key, write tick, last read tick)
+        for (kind, k, m), t in when.items():
+            if kind == TaskType.F and not self.forward_only:
+                stash.append((dev[k], (k, m), t, when[(last, k, m)]))
+            if kind == TaskType.F and k > 0:
+                act.append((dev[k], (k, m), when[(TaskType.F, k - 1, m)], t))
+            if kind == TaskType.B and k < K - 1:   # gradient from k+1, read by B (and W)
+                grad.append((dev[k], (k, m), when[(TaskType.B, k + 1, m)], when[(last, k, m)]))
+            if kind == TaskType.B and self.split_backward:
+                cross.append((dev[k], (k, m), t, when[(TaskType.W, k, m)]))
+        # Inboxes are written at the end of a tick, after its reads: a slot read in tick r
+        # can take a new value in r. Stashes are written in F (or B) before B / W read.
+        out = [_colour(act, strict=False), _colour(grad, strict=False),
+               _colour(stash, strict=True), _colour(cross, strict=True)]
+        sizes = {name: max(size, 1) for name, (_, size) in zip(("act", "grad", "stash", "cross"), out)}
+        return tuple(slots for slots, _ in out), sizes
+
+    def ring_slots(self) -> tuple[tuple, dict]:
+        """Ring buffers the runtime needs: ((act, grad, stash, cross) slot of each
+        (device, (stage, microbatch)) value, {ring: size}). act: activations received for
+        a stage's F; grad: gradients received for its B (kept for W when split); stash:
+        residuals from F to the last backward; cross: what a split B hands to W."""
+        return self._rings
+
+    def validate(self) -> None:
+        """Raises ValueError unless every (stage, microbatch) runs F and B (and W when
+        split) exactly once on its stage's device, at most one task per kind per device
+        and tick, in an order the lock-step data movement allows."""
+        K, M, D = self.num_stages, self.num_microbatches, self.num_devices
+        err = lambda msg: ValueError(f"schedule {self.name}: {msg}")
+        if K < D or K % D or sorted(np.bincount(self.stage_device, minlength=D)) != [K // D] * D:
+            raise err(f"stage_device {self.stage_device} must give each of {D} devices "
+                      f"the same number of stages")
+        when: dict = {}
+        slots = set()
+        for t in self.tasks:
+            if not (0 <= t.stage < K) or t.device != self.stage_device[t.stage]:
+                raise err(f"{t} runs on device {t.device}, its stage lives on "
+                          f"{self.stage_device[t.stage] if 0 <= t.stage < K else '?'}")
+            if (t.tick, t.device, t.kind) in slots:
+                raise err(f"two {t.kind.name} tasks on device {t.device} in tick {t.tick}")
+            slots.add((t.tick, t.device, t.kind))
+            key = (t.kind, t.stage, t.microbatch)
+            if key in when or (t.kind != TaskType.U and not 0 <= t.microbatch < M):
+                raise err(f"{t} is repeated or its microbatch is out of range")
+            when[key] = t.tick
+        kinds = (TaskType.F,) if self.forward_only else \
+            (TaskType.F, TaskType.B) + ((TaskType.W,) if self.split_backward else ())
+        if not self.split_backward and any(k == TaskType.W for k, _, _ in when):
+            raise err("W tasks need split_backward=True")
+        for kind in kinds:
+            for k in range(K):
+                for m in range(M):
+                    if (kind, k, m) not in when:
+                        raise err(f"{kind.name}{m} of stage {k} never runs")
+        for (kind, k, m), t in when.items():
+            if kind == TaskType.F and k > 0 and when[(TaskType.F, k - 1, m)] >= t:
+                raise err(f"F{m} of stage {k} at tick {t} before its input arrives")
+            if kind == TaskType.B:
+                before = (when[(TaskType.F, k, m)] <= t) if k == K - 1 else \
+                    (when[(TaskType.B, k + 1, m)] < t)
+                if not before or when[(TaskType.F, k, m)] > t:
+                    raise err(f"B{m} of stage {k} at tick {t} before its gradient arrives")
+            if kind == TaskType.W and when[(TaskType.B, k, m)] > t:
+                raise err(f"W{m} of stage {k} at tick {t} before its B")
+            if kind == TaskType.U:   # updates every stage of its device
+                last, d = kinds[-1], self.stage_device[k]
+                mine = [j for j in range(K) if self.stage_device[j] == d]
+                if any(when[(last, j, i)] > t for j in mine for i in range(M)):
+                    raise err(f"U of device {d} at tick {t} before its last backward")
+
+    # --- pictures --------------------------------------------------------------------
+    def chart(self) -> str:
+        """Text Gantt chart: one row per device, one column per tick; `F3` forward of
+        microbatch 3, `B3` backward, `W3` weight gradient, `U` update; with virtual stages
+        `F3s5` names the stage; `.` idle."""
+        cells = [["" for _ in range(self.num_ticks)] for _ in range(self.num_devices)]
+        show_stage = self.virtual_stages > 1
+        for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
+            m = "" if t.kind == TaskType.U else str(t.microbatch)
+            cells[t.device][t.tick] += t.kind.name + m + (f"s{t.stage}" if show_stage else "")
+        width = max(1, *(len(c) for row in cells for c in row))
+        lines = [f"{self.name}: S={self.num_devices} v={self.virtual_stages} "
+                 f"M={self.num_microbatches} ticks={self.num_ticks} "
+                 f"bubble={self.bubble_fraction():.3f}"]
+        for d, row in enumerate(cells):
+            lines.append(f"device {d}: " + " ".join((c or ".").ljust(width) for c in row))
+        return "\n".join(lines)
+
+    def plot(self, path: str, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None,
+             title: str | None = None) -> None:
+        """PNG Gantt chart, tick widths from the given per-stage costs (the one plotter:
+        plans draw through it too)."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        K = self.num_stages
+        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
+                TaskType.W: w, TaskType.U: np.full(K, 0.1 * float(f.mean()))}
+        color = {TaskType.F: "tab:blue", TaskType.B: "tab:orange", TaskType.W: "tab:green",
+                 TaskType.U: "tab:gray"}
+        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(f, b, w))])
+        fig, ax = plt.subplots(figsize=(min(40, max(6, self.num_ticks * 0.3)),
+                                        0.5 * self.num_devices + 1.3))
+        offset = np.zeros((self.num_ticks, self.num_devices))
+        for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
+            c = cost[t.kind][t.stage]
+            x = starts[t.tick] + offset[t.tick, t.device]
+            offset[t.tick, t.device] += c
+            ax.barh(t.device, c, left=x, color=color[t.kind], edgecolor="k", linewidth=0.4,
+                    alpha=1.0 if t.stage < self.num_devices else 0.65)
+            if t.kind != TaskType.U:
+                ax.text(x + c / 2, t.device, str(t.microbatch), ha="center", va="center",
+                        fontsize=6)
+        ax.set_yticks(range(self.num_devices), [f"device {d}" for d in range(self.num_devices)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (F blue, B orange, W green, U gray; later virtual stages lighter)")
+        ax.set_title(title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
+                              f"M={self.num_microbatches}  bubble="
+                              f"{self.bubble_fraction(f, b, w):.3f}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _colour(intervals: list, strict: bool) -> tuple[dict, int]:
+    """Greedy interval colouring per device of (device, key, write, read) intervals.
+    strict: a slot read in tick r may be rewritten only after r; else from r on."""
+    slots, size, by_dev = {}, 0, {}
+    for iv in intervals:
+        by_dev.setdefault(iv[0], []).append(iv)
+    for ivs in by_dev.values():
+        free_at: list = []           # per slot: first tick it may be written again
+        for dev, key, w, r in sorted(ivs, key=lambda iv: (iv[2], iv[3])):
+            i = next((j for j, f in enumerate(free_at) if f <= w), len(free_at))
+            if i == len(free_at):
+                free_at.append(0)
+            free_at[i] = r + 1 if strict else r
+            slots[(dev, key)] = i
+        size = max(size, len(free_at))
+    return slots, size
