@@ -186,3 +186,23 @@ def test_alternating_table_runs_as_one_phase():
     s.validate()
     phases = tables.control_table(s, max_phases=3).phases
     assert len(phases) == 1 and {TaskType.F, TaskType.B} <= phases[0].kinds
+
+
+def test_docs_example_registers_a_new_schedule():
+    name = "gpipe-reversed-test"
+
+    @sc.register_schedule(name)
+    def gpipe_reversed(num_stages, num_microbatches):
+        S, M, F, B = num_stages, num_microbatches, TaskType.F, TaskType.B
+        orders = [[(F, d, m) for m in range(M)] + [(B, d, m) for m in reversed(range(M))]
+                  for d in range(S)]
+        return sc.place_tasks(name, S, M, range(S), orders)
+
+    try:
+        s = make_schedule(name, 3, 4)
+        s.validate()
+        assert s.bubble_fraction() == pytest.approx(make_schedule("gpipe", 3, 4).bubble_fraction())
+        with pytest.raises(ValueError, match="already registered"):
+            sc.register_schedule(name)(gpipe_reversed)
+    finally:
+        del SCHEDULES[name]
