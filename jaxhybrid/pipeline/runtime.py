@@ -83,7 +83,8 @@ class StageLayouts:
 @flax.struct.dataclass
 class Carry:
     """What a tick changes: inboxes, stashes, accumulated gradients, state, loss, and
-    (with U tasks) parameters and optimizer state."""
+    (with U tasks) parameters and optimizer state (else None: parameters that do not
+    change stay a loop invariant, which XLA does not copy from tick to tick)."""
     act_in: dict
     grad_in: dict
     stash: dict
@@ -295,12 +296,16 @@ class Device:
     rng: jax.Array
     branches: dict
     optimizer: Any
+    params: dict            # the parameter buffers when no U task changes them
+
+    def params_of(self, c: "Carry") -> dict:
+        return self.params if c.params is None else c.params
 
 
 def _forward_slot(job: Job, dev: Device, c: Carry, row):
     k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
     act, res, state, loss = lax.switch(
-        jnp.where(k >= 0, k + 1, 0), dev.branches["F"], c.params, c.state,
+        jnp.where(k >= 0, k + 1, 0), dev.branches["F"], dev.params_of(c), c.state,
         _row(c.act_in, row[COL["f_act"]]), _take(dev.inputs, m), _take(dev.targets, m),
         dev.d * job.eng.num_microbatches + m, dev.rng)
     c = c.replace(stash=_set_row(c.stash, row[COL["f_stash"]], res), state=state,
@@ -312,7 +317,8 @@ def _backward_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["b_stage"]]
 
     def busy(acc, res, g_in):
-        g_out, g_p, cross = lax.switch(jnp.maximum(k, 0), dev.branches["B"], c.params, res, g_in)
+        g_out, g_p, cross = lax.switch(jnp.maximum(k, 0), dev.branches["B"], dev.params_of(c),
+                                       res, g_in)
         # A split B leaves the parameter gradient to W: no add.
         return g_out, acc if job.split else {n: acc[n] + g_p[n] for n in acc}, cross
 
@@ -330,7 +336,8 @@ def _weight_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["w_stage"]]
 
     def busy(acc, res, g_in, cross):
-        g_p = lax.switch(jnp.maximum(k, 0), dev.branches["W"], c.params, res, g_in, cross)
+        g_p = lax.switch(jnp.maximum(k, 0), dev.branches["W"], dev.params_of(c), res, g_in,
+                         cross)
         return {n: acc[n] + g_p[n] for n in acc}
 
     acc = lax.cond(k >= 0, busy, lambda acc, *_: acc, c.acc, _row(c.stash, row[COL["w_stash"]]),
@@ -408,14 +415,15 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
         dev = Device(lax.axis_index(PIPE), lax.axis_index(DATA), ctl, jnp.asarray(ctl.table),
                      jnp.asarray(ctl.act_recv), jnp.asarray(ctl.grad_recv),
                      _split_microbatches(inputs, M), _split_microbatches(targets, M), rng,
-                     branches, optimizer)
+                     branches, optimizer, p_bufs)
         c = Carry(act_in=packing.zeros(lay.act_len, (sizes["act"] + 1,)),
                   grad_in=packing.zeros(lay.grad_len, (sizes["grad"] + 1,)),
                   stash=packing.zeros(lay.res_len, (sizes["stash"] + 1,)),
                   cross=packing.zeros(lay.cross_len, (sizes["cross"] + 1,)),
                   acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
                   state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.float32(0),
-                  params=p_bufs, opt_state=jax.tree.map(_squeeze, opt_state))
+                  params=p_bufs if optimizer is not None else None,
+                  opt_state=jax.tree.map(_squeeze, opt_state))
         # One scan per phase (warm-up, steady state, cool-down): a tick in which no device
         # runs a backward has no backward switch, gradient add or gradient ppermute, etc.
         for phase in ctl.phases:
@@ -425,7 +433,7 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
         loss = mean(lax.psum(c.loss, PIPE))
         grads = {k: mean(v)[None] for k, v in c.acc.items()}
         state = {col: {k: mean(v)[None] for k, v in b.items()} for col, b in c.state.items()}
-        return (loss, grads, state, {k: v[None] for k, v in c.params.items()},
+        return (loss, grads, state, {k: v[None] for k, v in dev.params_of(c).items()},
                 jax.tree.map(_unsqueeze, c.opt_state))
 
     return per_device
