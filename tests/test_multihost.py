@@ -28,7 +28,8 @@ from jaxhybrid.config_flags import load_config
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10          # train.py --heartbeat_timeout in the 2-process runs
 EXIT_WITHIN_S = 45        # a killed process must end the run this soon (launcher grace: 120)
-STOP_AFTER = 4            # steps each run trains before it is stopped
+STOP_AFTER = 4            # steps each 2-process run trains before it is stopped
+REFERENCE_STEPS = 5       # steps of the 1-process reference run
 
 # (data, pipe) -> overrides; both split a batch of 16 into the same 8 microbatches of 2.
 # (4, 2) leaves the stages to the planner: each process profiles, all take process 0's.
@@ -98,6 +99,15 @@ class TwoProcessRun:
         for line in self.proc.stdout:
             self.lines.append(line)
 
+    def stop(self):
+        """SIGTERM to the launcher (it stops its processes), SIGKILL if that hangs."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
     def output(self, tail=60):
         return "".join(self.lines[-tail:])
 
@@ -111,7 +121,7 @@ class TwoProcessRun:
         deadline = time.monotonic() + timeout
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
+                self.stop()
                 pytest.fail(f"2-process run ended or stalled before step {STOP_AFTER}:\n"
                             f"{self.output()}")
             time.sleep(0.5)
@@ -121,7 +131,7 @@ class TwoProcessRun:
         try:
             self.proc.wait(timeout=EXIT_WITHIN_S + 60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.stop()
             pytest.fail(f"the run did not end after process 1 was killed:\n{self.output()}")
         return time.monotonic() - killed
 
@@ -133,11 +143,18 @@ def runs(tmp_path_factory):
     (4, 2), resumed from 1p's checkpoint at step 2)."""
     root = tmp_path_factory.mktemp("multihost")
     two = TwoProcessRun(root / "2p", (2, 4), checkpoint_step=2)
-    train_in_process(root / "1p", (2, 4), STOP_AFTER)
-    shutil.copytree(root / "1p" / "checkpoints" / "2", root / "2p_moved" / "checkpoints" / "2")
-    moved = TwoProcessRun(root / "2p_moved", (4, 2), checkpoint_step=STOP_AFTER)
-    two_exit_s = two.kill_process_1()
-    moved_exit_s = moved.kill_process_1()
+    moved = None
+    try:
+        train_in_process(root / "1p", (2, 4), REFERENCE_STEPS)
+        shutil.copytree(root / "1p" / "checkpoints" / "2",
+                        root / "2p_moved" / "checkpoints" / "2")
+        moved = TwoProcessRun(root / "2p_moved", (4, 2), checkpoint_step=STOP_AFTER)
+        two_exit_s = two.kill_process_1()
+        moved_exit_s = moved.kill_process_1()
+    finally:                              # no processes left behind when something fails
+        for run in (two, moved):
+            if run is not None:
+                run.stop()
     print(f"\nmultihost: process 1 killed -> run ended after {two_exit_s:.1f} s / "
           f"{moved_exit_s:.1f} s (--heartbeat_timeout={HEARTBEAT_S})")
     return {"root": root, "2p": two, "2p_moved": moved,
@@ -169,10 +186,16 @@ def test_two_process_checkpoint_resumes_in_one_process(runs, tmp_path):
     single = sum(f.stat().st_size for f in (runs["root"] / "1p" / "checkpoints" / "2" / "state")
                  .glob("ocdbt.process_*/**/*") if f.is_file())
     print(f"\nmultihost: checkpoint bytes per process {written}, one process: {single}")
-    shutil.copytree(ckpt / "2", tmp_path / "checkpoints" / "2")
-    train_in_process(tmp_path, (2, 4), STOP_AFTER)
+    # Process 1 was killed after step 4, maybe while step 4 was being saved: only
+    # complete steps count (orbax renames a step's directory once all processes wrote
+    # it); what else is there is an unfinished temporary directory.
+    steps = checkpoint.Checkpointer(ckpt, keep=5).all_steps()
+    assert steps in ([2], [2, 4])
+    assert all("tmp" in p.name for p in ckpt.iterdir() if p.name not in map(str, steps))
+    shutil.copytree(ckpt, tmp_path / "checkpoints")        # resumes from the latest
+    train_in_process(tmp_path, (2, 4), REFERENCE_STEPS)
     resumed, one = losses(tmp_path), losses(runs["root"] / "1p")
-    assert sorted(resumed) == list(range(3, STOP_AFTER + 1))
+    assert sorted(resumed) == list(range(steps[-1] + 1, REFERENCE_STEPS + 1))
     assert [resumed[s] for s in resumed] == [one[s] for s in resumed]   # bit for bit
 
 
