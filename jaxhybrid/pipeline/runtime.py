@@ -421,8 +421,10 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                      branches, optimizer, p_bufs)
         c = Carry(act_in=packing.zeros(lay.act_len, (sizes["act"] + 1,)),
                   grad_in=packing.zeros(lay.grad_len, (sizes["grad"] + 1,)),
-                  stash=packing.zeros(lay.res_len, (sizes["stash"] + 1,)),
-                  cross=packing.zeros(lay.cross_len, (sizes["cross"] + 1,)),
+                  # Stashes are written only by busy slots: no dummy row (inboxes take a
+                  # transfer every tick, so theirs absorbs what no one is sent).
+                  stash=packing.zeros(lay.res_len, (sizes["stash"],)),
+                  cross=packing.zeros(lay.cross_len, (sizes["cross"],)),
                   acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
                   state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.float32(0),
                   params=p_bufs if optimizer is not None else None,

@@ -3,8 +3,9 @@
 Per (tick, device) the table names the task of each kind (stage, microbatch) and the ring
 buffer slots it reads and writes; per transfer channel, the slot where what arrives this
 tick lands. Slots come from `Schedule.ring_slots` (interval colouring per device), so
-ring sizes are what the table needs (1F1B keeps O(S) microbatches, GPipe O(M)). Slot
-`size` (one past the last) is a dummy row that absorbs the writes of idle slots.
+ring sizes are what the table needs (1F1B keeps O(S) microbatches, GPipe O(M)). For the
+inboxes, slot `size` (one past the last) is a dummy row that absorbs transfers nobody
+needs; idle stash slots point there too but never write (reads clamp).
 
 Channels: a value produced on device d for a stage on device d' moves by
 `ppermute` over the channel (d' - d) mod S — +1 for 1F1B and interleaved (the last

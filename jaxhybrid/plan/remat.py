@@ -186,7 +186,8 @@ def _spmd_terms(costs, ranges, schedule, param_state_factor):
     inbox_rows = rings["act"] + 1 + rings["grad"] + 1
     fixed = ((param_state_factor + 1) * params + state + inbox_rows * act
              + schedule.num_microbatches * costs[0].in_bytes)
-    return float(fixed), rings["stash"] + 2
+    # The stash ring, plus the residuals of the forward being computed.
+    return float(fixed), rings["stash"] + 1
 
 
 def _act_grads(costs, a, b) -> float:
