@@ -11,13 +11,17 @@ def test_pipeline_bench_prints_every_table():
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "pipeline", "--blocks=3",
          "--width=64", "--microbatch=4", "--repeats=1", "--memory_m=4,8",
-         "--padding_models=gpt", "--speed_widths=64"],
+         "--memory_schedules=gpipe,1f1b,zb-h1", "--padding_models=gpt", "--speed_widths=64",
+         "--speed_schedules=1f1b,zb-h1", "--speed_m=8"],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    # Memory table: both schedules at both M, and the growth line of each.
-    assert len(re.findall(r"^(gpipe|1f1b)\s+4\s+(4|8)\s", out, re.M)) == 4
+    # Memory table: every schedule at both M, and the growth line of each.
+    assert len(re.findall(r"^(gpipe|1f1b|zb-h1)\s+4\s+(4|8)\s", out, re.M)) == 6
     assert re.search(r"1f1b: temp memory M=8 / M=4 = \d+\.\d\dx", out)
+    assert re.search(r"zb-h1: temp memory M=8 / M=4 = \d+\.\d\dx", out)
     assert re.search(r"gpt\s+layers=\s*4 boundaries=\[\d+, \d+, \d+\] .*padding=\d+\.\d%", out)
-    assert re.search(r"mlp width=64 mb=4\s+[\d.]+ ms\s+[\d.]+ ms\s+[\d.]+x\s+[\d.]+ ms\s+[\d.]+x", out)
+    for schedule in ("1f1b", "zb-h1"):
+        assert re.search(schedule + r" M=8 mlp w=64 mb=4\s+[\d.]+ ms\s+[\d.]+ ms\s+[\d.]+x\s+"
+                         r"[\d.]+ ms\s+[\d.]+x", out)
     assert re.search(r"1x1 pipeline vs plain jax.jit \(mlp\): CPU-seconds .* ratio [\d.]+x; wall", out)
