@@ -24,8 +24,9 @@ PyTree = Any
 
 
 class Pipeline:
-    """Runs `layers` (applied in order) as `mesh.shape["pipe"]` pipeline stages, each
-    replicated over `mesh.shape["data"]` data-parallel replicas.
+    """Runs `layers` (applied in order) as pipeline stages on `mesh.shape["pipe"]`
+    devices (one stage each, or several with virtual stages), each replicated over
+    `mesh.shape["data"]` data-parallel replicas.
 
     Args:
       layers: flax.linen Modules; each one's output pytree is the next one's input. Or one
@@ -34,9 +35,12 @@ class Pipeline:
         `unpack` then use the model's own variable tree.
       mesh: a Mesh with axes "data" and "pipe" (`jaxhybrid.make_mesh`).
       num_microbatches: M; each data replica's batch is split into M microbatches.
-      schedule: "gpipe" | "1f1b".
-      boundaries: first layer index of stages 1..S-1; None = the planner's cost-balanced
-        split (decided in `init`, from the layers profiled on one microbatch).
+      schedule: a name in `jaxhybrid.schedules.SCHEDULES` ("gpipe", "1f1b",
+        "interleaved", "zb-h1", "zbv", or one you registered) or a `Schedule` built for
+        (pipe, num_microbatches). `pipe.num_stages` = pipe x its virtual stages.
+      virtual_stages: stages per device of schedule="interleaved" (default 2).
+      boundaries: first layer index of stages 1..num_stages-1; None = the planner's
+        cost-balanced split (decided in `init`, from the layers profiled on one microbatch).
       remat: "none" | "full" (recompute each stage from its input) | a
         `jax.checkpoint_policies` name | a per-stage list of those | a list of one bool
         per layer (recompute that layer) | "auto" (the planner's per-layer choice so that
