@@ -16,12 +16,15 @@ finished writing it):
                                 "opt_rest": [non-parameter optimizer leaves]}
     <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout
 
-Nothing is gathered to a host. One jitted program slices every layer's leaves out of the
-packed buffers and spreads each leaf over all devices of the mesh (split along its first
+Every layer's leaf is saved spread over all devices of the mesh (split along its first
 axis that the device count divides; small leaves that no axis fits stay replicated), so
 every process writes only the shards on its own devices (orbax/tensorstore, one file set
-per process), about 1/processes of the bytes. Restoring reads each process's shards of
-the per-layer leaves for the new mesh and packs them with the inverse program.
+per process), about 1/processes of the bytes; nothing is gathered to one host. When
+every process holds every stage (one process, or "data" across processes) the leaves
+are cut from the process's own rows on the host, and a restore reads whole leaves into
+each process and packs them on the host. Otherwise one jitted program cuts and spreads
+them (XLA moves the rows between processes; it compiles slowly for models with many
+leaves), and its inverse packs the restored shards.
 """
 from __future__ import annotations
 
@@ -88,6 +91,52 @@ def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> d
     return {k: jnp.stack([r[k] for r in rows]) for k in lengths}
 
 
+def holds_every_stage(mesh) -> bool:
+    """Does every process hold a device of every pipeline stage (always with one
+    process; with several when "data" crosses processes)? Then checkpoints are cut and
+    packed on the host, with no collective and no compilation."""
+    stages: dict = {}
+    for (_, j), device in np.ndenumerate(mesh.devices):
+        stages.setdefault(device.process_index, set()).add(j)
+    return all(len(v) == mesh.shape[PIPE] for v in stages.values())
+
+
+def _local_rows(buffers: dict) -> dict:
+    """{key: numpy [S, length]} from this process's shards of P("pipe") buffers."""
+    out = {}
+    for k, v in buffers.items():
+        rows = {}
+        for shard in v.addressable_shards:
+            rows.setdefault(shard.index[0].indices(v.shape[0])[0], shard.data)
+        out[k] = np.concatenate([np.asarray(rows[s]) for s in range(v.shape[0])])
+    return out
+
+
+def _unpack_host(pipe, collection: str, buffers: dict) -> list:
+    """`_unpack_collection` on the host (numpy trees), from this process's shards."""
+    rows, out = _local_rows(buffers), [None] * len(pipe.layers)
+    for s, layers in enumerate(pipe.device_layers):
+        trees = packing.unpack_numpy(pipe.param_layouts[s][collection],
+                                     {k: r[s] for k, r in rows.items()})
+        for i, tree in zip(layers, trees):
+            out[i] = tree
+    return out
+
+
+def _pack_host(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
+    """`_pack_collection` on the host (numpy)."""
+    rows = [packing.pack_numpy(pipe.param_layouts[s][collection],
+                               [per_layer[i] for i in layers], lengths)
+            for s, layers in enumerate(pipe.device_layers)]
+    return {k: np.stack([r[k] for r in rows]) for k in lengths}
+
+
+def _host_value(leaf) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return np.asarray(leaf.addressable_shards[0].data)   # fully replicated (restore)
+    return np.asarray(leaf)
+
+
 def _spread(pipe, fn):
     """jit(fn) whose outputs are laid out by `leaf_sharding` on pipe.mesh."""
     def run(*args):
@@ -127,58 +176,75 @@ def _collections(pipe) -> list[str]:
     return ["params", *pipe.state_collections]
 
 
-def _portable(pipe, state: dict) -> dict:
-    """(Traced) train state -> the per-layer checkpoint tree."""
+def _portable(pipe, state: dict, host: bool = False) -> dict:
+    """(Traced, or on the host with numpy) train state -> the per-layer checkpoint tree."""
+    unpack = _unpack_host if host else _unpack_collection
     variables = state["variables"]
     layers = [{"variables": {}, "opt": []} for _ in pipe.layers]
     for c in _collections(pipe):
-        for layer, tree in zip(layers, _unpack_collection(pipe, c, variables[c])):
+        for layer, tree in zip(layers, unpack(pipe, c, variables[c])):
             if jax.tree.leaves(tree):            # layers without this collection: none
                 layer["variables"][c] = tree
     is_slot = _param_slot_test(variables["params"])
     rest = []
     for node in jax.tree.leaves(state["opt_state"], is_leaf=is_slot):
         if is_slot(node):
-            for layer, tree in zip(layers, _unpack_collection(pipe, "params", node)):
+            for layer, tree in zip(layers, unpack(pipe, "params", node)):
                 layer["opt"].append(tree)
         else:
-            rest.append(node)
+            rest.append(np.asarray(node) if host else node)
     return {"layers": layers, "opt_rest": rest}
 
 
-def _from_portable(pipe, template: dict, portable: dict) -> dict:
-    """(Traced) inverse of `_portable` for this pipeline's layout; `template` gives the
-    optimizer state's structure (its values are not read)."""
+def _from_portable(pipe, template: dict, portable: dict, host: bool = False) -> dict:
+    """(Traced, or on the host) inverse of `_portable` for this pipeline's layout;
+    `template` gives the optimizer state's structure (its values are not read)."""
+    pack, asarray = (_pack_host, np.asarray) if host else (_pack_collection, jnp.asarray)
     layers = portable["layers"]
     variables = {}
     for c in _collections(pipe):
         lengths = pipe.param_len if c == "params" else pipe.state_len[c]
         per_layer = [layer["variables"].get(c, {}) for layer in layers]
-        variables[c] = _pack_collection(pipe, c, per_layer, lengths)
+        variables[c] = pack(pipe, c, per_layer, lengths)
     is_slot = _param_slot_test(template["variables"]["params"])
     nodes, treedef = jax.tree.flatten(template["opt_state"], is_leaf=is_slot)
     slot, rest, out = 0, iter(portable["opt_rest"]), []
     for node in nodes:
         if is_slot(node):
-            out.append(_pack_collection(pipe, "params", [layer["opt"][slot] for layer in layers],
-                                        pipe.param_len))
+            out.append(pack(pipe, "params", [layer["opt"][slot] for layer in layers],
+                            pipe.param_len))
             slot += 1
         else:
-            out.append(jnp.asarray(next(rest), dtype=node.dtype))
+            out.append(asarray(next(rest), dtype=node.dtype))
     return {"variables": variables, "opt_state": jax.tree.unflatten(treedef, out)}
 
 
 def to_portable(pipe, state: dict) -> dict:
     """{"variables": packed, "opt_state": optax state on packed params} -> the per-layer
     checkpoint tree (global arrays spread over the mesh, see `leaf_sharding`)."""
-    return _spread(pipe, functools.partial(_portable, pipe))(state)
+    if not holds_every_stage(pipe.mesh):       # some stages are only on other processes
+        return _spread(pipe, functools.partial(_portable, pipe))(state)
+    return jax.tree.map(lambda a: jax.make_array_from_callback(
+        a.shape, leaf_sharding(pipe.mesh, a.shape), lambda index: np.asarray(a[index])),
+        _portable(pipe, state, host=True))
+
+
+def _restore_sharding(mesh, shape) -> NamedSharding:
+    """Where a restored leaf lands: spread like `leaf_sharding` for the jitted packing,
+    or whole on one device of every process for packing on the host."""
+    if not holds_every_stage(mesh):
+        return leaf_sharding(mesh, shape)
+    firsts = {}
+    for device in mesh.devices.flat:
+        firsts.setdefault(device.process_index, device)
+    return NamedSharding(jax.sharding.Mesh(np.array(list(firsts.values())), ("p",)), P())
 
 
 def abstract_portable(pipe, state: dict) -> dict:
     """`to_portable`'s result as jax.ShapeDtypeStructs with shardings (restore targets)."""
     shapes = jax.eval_shape(functools.partial(_portable, pipe), state)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=leaf_sharding(pipe.mesh, a.shape)), shapes)
+        a.shape, a.dtype, sharding=_restore_sharding(pipe.mesh, a.shape)), shapes)
 
 
 def from_portable(pipe, portable: dict, template: dict) -> dict:
@@ -189,6 +255,9 @@ def from_portable(pipe, portable: dict, template: dict) -> dict:
     stage = NamedSharding(pipe.mesh, P(PIPE))
     shardings = {"variables": jax.tree.map(lambda _: stage, abstract["variables"]),
                  "opt_state": opt_state_shardings(pipe, abstract["opt_state"], params)}
+    if holds_every_stage(pipe.mesh):
+        host = _from_portable(pipe, abstract, jax.tree.map(_host_value, portable), host=True)
+        return jax.tree.map(jax.device_put, host, shardings)
     return jax.jit(functools.partial(_from_portable, pipe, abstract),
                    out_shardings=shardings)(portable)
 

@@ -10,6 +10,7 @@ killing process 1 once they have logged step 4 (train.steps is large so the lear
 rate schedule is the same in every run; the 1-process runs stop by an injected
 preemption, as in test_train.py).
 """
+import functools
 import json
 import pathlib
 import re
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -266,3 +268,25 @@ def test_rows_of_any_split_make_the_same_batches():
     assert data.process_rows(make_mesh(2, 4), 16) == slice(0, 16)     # one process: all
     with pytest.raises(ValueError, match=r"batch size 12 is not divisible"):
         data.process_rows(make_mesh(8, 1), 12)
+
+
+def test_jitted_cut_for_stages_on_other_processes_equals_the_host_cut():
+    # With pipe across processes (e.g. 2 processes on (1, 8)) checkpoints are cut and
+    # packed by jitted programs instead of on the host: the same trees, both ways.
+    config = load_config("gpt_hybrid.py", overrides((2, 4)))
+    run = train.prepare(config)
+    variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
+    tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
+    state = {"variables": variables, "opt_state": tx.init(variables["params"])}
+    state["opt_state"] = jax.tree.map(lambda a: a + 1, state["opt_state"])   # not zeros
+    host = checkpoint.to_portable(run.pipe, state)
+    jitted = checkpoint._spread(run.pipe, functools.partial(checkpoint._portable, run.pipe))(state)
+    assert jax.tree.structure(host) == jax.tree.structure(jitted)
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jitted)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(a, b)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    back = jax.jit(functools.partial(checkpoint._from_portable, run.pipe, abstract))(jitted)
+    for a, b in zip(jax.tree.leaves(checkpoint.from_portable(run.pipe, host, state)),
+                    jax.tree.leaves(back)):
+        np.testing.assert_array_equal(a, b)
