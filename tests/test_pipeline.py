@@ -159,6 +159,10 @@ def test_errors():
     mesh = jh.make_mesh(data=2, pipe=4)
     with pytest.raises(ValueError, match="4 stages but only 3 layers"):
         jp.Pipeline(LAYERS[:3], mesh=mesh)
+    with pytest.raises(ValueError, match=r"8 stages \(4 devices x 2 virtual\) but only 6"):
+        jp.Pipeline(LAYERS[:6], mesh=mesh, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages is an option of schedule='interleaved'"):
+        jp.Pipeline(LAYERS, mesh=mesh, schedule="1f1b", virtual_stages=2)
     with pytest.raises(ValueError, match="strictly increasing"):
         jp.Pipeline(LAYERS, mesh=mesh, boundaries=[3, 2, 5])
     with pytest.raises(ValueError, match="out of range"):

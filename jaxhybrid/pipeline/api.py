@@ -86,10 +86,11 @@ class Pipeline:
         self.num_stages = self.schedule.num_stages
         L, S = len(self.layers), self.num_stages
         if S > L:
-            raise ValueError(f"Pipeline: {S} stages ({self.pipe_size} devices x "
-                             f"{self.schedule.virtual_stages} virtual) but only {L} layers; use "
-                             f"a mesh with fewer pipe devices, fewer virtual stages, or split "
-                             f"the model into more layers.")
+            v = self.schedule.virtual_stages
+            how = f" ({self.pipe_size} devices x {v} virtual)" if v > 1 else ""
+            raise ValueError(f"Pipeline: {S} stages{how} but only {L} layers; use a mesh with "
+                             f"pipe <= {L // v}{' or fewer virtual stages' if v > 1 else ''}, "
+                             f"or split the model into more layers.")
         if memory_budget is not None and remat != "auto":
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
