@@ -95,15 +95,20 @@ class Schedule:
         return out
 
     # --- derived quantities ----------------------------------------------------------
+    def task_costs(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> dict:
+        """{kind: per-stage cost}. bwd_cost is the full backward; a split schedule's B and
+        W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
+        K = self.num_stages
+        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        return {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
+                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+
     def work(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> np.ndarray:
         """[ticks, devices] busy time of each device in each tick, from per-stage costs
         (scalars or one per stage). bwd_cost is the full backward; a split schedule's B
         and W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
-        K = self.num_stages
-        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
-        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
-        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
-                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+        cost = self.task_costs(fwd_cost, bwd_cost, weight_cost, update_cost)
         out = np.zeros((self.num_ticks, self.num_devices))
         for t in self.tasks:
             out[t.tick, t.device] += cost[t.kind][t.stage]
@@ -119,28 +124,27 @@ class Schedule:
         work = self.work(fwd_cost, bwd_cost, weight_cost)
         return float(1.0 - work.sum() / (work.max(axis=1).sum() * self.num_devices))
 
-    def in_flight(self) -> np.ndarray:
-        """Per device, the most microbatch-stages whose forward ran and whose residuals are
-        still needed (backward, or W when split, not yet run) = residual stash slots."""
+    def _peak_live(self, by: str) -> np.ndarray:
+        """Most microbatches with stashed residuals at once, per device or per stage:
+        from F until the last backward (W when split), freed after the tick reading it."""
         free = TaskType.W if self.split_backward else TaskType.B
-        delta = np.zeros((self.num_ticks + 1, self.num_devices), int)
+        n = self.num_devices if by == "device" else self.num_stages
+        delta = np.zeros((self.num_ticks + 1, n), int)
         for t in self.tasks:
+            i = t.device if by == "device" else t.stage
             if t.kind == TaskType.F:
-                delta[t.tick, t.device] += 1
+                delta[t.tick, i] += 1
             elif t.kind == free:
-                delta[t.tick + 1, t.device] -= 1   # freed after the tick that reads it
+                delta[t.tick + 1, i] -= 1
         return np.cumsum(delta, axis=0).max(axis=0)
+
+    def in_flight(self) -> np.ndarray:
+        """Per device, the most microbatch-stages whose residuals it holds at once."""
+        return self._peak_live("device")
 
     def stage_in_flight(self) -> np.ndarray:
         """Per stage, the most microbatches whose residuals it holds at once."""
-        free = TaskType.W if self.split_backward else TaskType.B
-        delta = np.zeros((self.num_ticks + 1, self.num_stages), int)
-        for t in self.tasks:
-            if t.kind == TaskType.F:
-                delta[t.tick, t.stage] += 1
-            elif t.kind == free:
-                delta[t.tick + 1, t.stage] -= 1
-        return np.cumsum(delta, axis=0).max(axis=0)
+        return self._peak_live("stage")
 
     @functools.cached_property
     def _rings(self):
@@ -243,14 +247,12 @@ class Schedule:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        K = self.num_stages
-        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
-        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
-        cost = {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
-                TaskType.W: w, TaskType.U: np.full(K, 0.1 * float(f.mean()))}
+        cost = self.task_costs(fwd_cost, bwd_cost, weight_cost,
+                               0.1 * float(np.mean(fwd_cost)))   # U drawn thin
         color = {TaskType.F: "tab:blue", TaskType.B: "tab:orange", TaskType.W: "tab:green",
                  TaskType.U: "tab:gray"}
-        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(f, b, w))])
+        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(fwd_cost, bwd_cost,
+                                                                  weight_cost))])
         fig, ax = plt.subplots(figsize=(min(40, max(6, self.num_ticks * 0.3)),
                                         0.5 * self.num_devices + 1.3))
         offset = np.zeros((self.num_ticks, self.num_devices))
@@ -268,7 +270,7 @@ class Schedule:
         ax.set_xlabel("time (F blue, B orange, W green, U gray; later virtual stages lighter)")
         ax.set_title(title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
                               f"M={self.num_microbatches}  bubble="
-                              f"{self.bubble_fraction(f, b, w):.3f}")
+                              f"{self.bubble_fraction(fwd_cost, bwd_cost, weight_cost):.3f}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
