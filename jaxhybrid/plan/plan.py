@@ -324,7 +324,9 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     if budget is None and remat == "auto":
         budget = get("pipeline", "memory_budget")
     cuts = get("pipeline", "boundaries")
-    plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=get("pipeline", "schedule", "1f1b"),
+    schedule = get("pipeline", "schedule", "1f1b")
+    v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
+    plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
                      data=data, topology=topology, memory_budget=budget,
                      objective=objective or get("pipeline", "objective", "bottleneck"),
                      boundaries=None if cuts is None else [int(b) for b in cuts])
