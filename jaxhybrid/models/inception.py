@@ -21,8 +21,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
+from jaxhybrid.models.spec import image_sample_batch
 from jaxhybrid.models.spec import (ModelSpec, check_overrides, classification_loss,
                                    classification_metrics, dense_init, logical, normal_init,
                                    ones_init,
@@ -259,14 +259,6 @@ def _metrics(outputs, labels):
     return classification_metrics(logits, labels)
 
 
-def _sample_batch(cfg, batch_size: int, seed: int = 0):
-    r = np.random.RandomState(seed)
-    s = cfg["image_size"]
-    images = r.randn(batch_size, s, s, 3).astype(np.float32)
-    labels = r.randint(0, cfg["num_classes"], size=(batch_size,)).astype(np.int32)
-    return images, labels
-
-
 def build(size: str, **overrides) -> ModelSpec:
     cfg = check_overrides("inception_v3", DEFAULTS, {**SIZES[size], **overrides})
     if cfg["image_size"] < MIN_IMAGE_SIZE:
@@ -278,4 +270,4 @@ def build(size: str, **overrides) -> ModelSpec:
     return ModelSpec(name="inception_v3", size=size, config=cfg, layers=make_layers(cfg),
                      loss_fn=_loss(cfg["aux_weight"]), metrics_fn=_metrics,
                      task="classification",
-                     sample_batch=functools.partial(_sample_batch, cfg))
+                     sample_batch=functools.partial(image_sample_batch, cfg))

@@ -54,6 +54,16 @@ def _masked_cross_entropy(logits, labels, mask):
     return jnp.sum(nll * mask), jnp.sum(correct), jnp.sum(mask)
 
 
+def image_sample_batch(cfg, batch_size: int, seed: int = 0):
+    """Random (images [b, s, s, 3] float32, labels [b] int32) for an image classifier whose
+    config has image_size and num_classes (the shared `sample_batch` of the CNN models)."""
+    r = np.random.RandomState(seed)
+    s = cfg["image_size"]
+    images = r.randn(batch_size, s, s, 3).astype(np.float32)
+    labels = r.randint(0, cfg["num_classes"], size=(batch_size,)).astype(np.int32)
+    return images, labels
+
+
 def classification_loss(logits, labels):
     """Mean cross-entropy over examples; labels < 0 mark padding and are ignored."""
     total, _, count = _masked_cross_entropy(logits, labels, labels >= 0)

@@ -18,8 +18,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
+from jaxhybrid.models.spec import image_sample_batch
 from jaxhybrid.models.spec import (ModelSpec, check_overrides, classification_loss,
                                    classification_metrics, dense_init, logical, zeros_init)
 
@@ -83,13 +83,6 @@ def make_layers(cfg: dict) -> list[nn.Module]:
     return layers
 
 
-def _sample_batch(cfg, batch_size: int, seed: int = 0):
-    r = np.random.RandomState(seed)
-    s = cfg["image_size"]
-    return (r.randn(batch_size, s, s, 3).astype(np.float32),
-            r.randint(0, cfg["num_classes"], size=(batch_size,)).astype(np.int32))
-
-
 def build(size: str, **overrides) -> ModelSpec:
     cfg = check_overrides("vgg16", DEFAULTS, {**SIZES[size], **overrides})
     if cfg["image_size"] % 32 or cfg["image_size"] < 32:
@@ -97,4 +90,4 @@ def build(size: str, **overrides) -> ModelSpec:
                          f"of 32 (five 2x2 max-pools).")
     return ModelSpec(name="vgg16", size=size, config=cfg, layers=make_layers(cfg),
                      loss_fn=classification_loss, metrics_fn=classification_metrics,
-                     task="classification", sample_batch=functools.partial(_sample_batch, cfg))
+                     task="classification", sample_batch=functools.partial(image_sample_batch, cfg))

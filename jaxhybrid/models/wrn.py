@@ -19,8 +19,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
+from jaxhybrid.models.spec import image_sample_batch
 from jaxhybrid.models.spec import (ModelSpec, check_overrides, classification_loss,
                                    classification_metrics, dense_init, logical, ones_init,
                                    zeros_init)
@@ -115,13 +115,6 @@ def make_layers(cfg: dict) -> list[nn.Module]:
     return layers
 
 
-def _sample_batch(cfg, batch_size: int, seed: int = 0):
-    r = np.random.RandomState(seed)
-    s = cfg["image_size"]
-    return (r.randn(batch_size, s, s, 3).astype(np.float32),
-            r.randint(0, cfg["num_classes"], size=(batch_size,)).astype(np.int32))
-
-
 def build(size: str, **overrides) -> ModelSpec:
     cfg = check_overrides("wrn", DEFAULTS, {**SIZES[size], **overrides})
     cfg["blocks"] = tuple(int(b) for b in cfg["blocks"])
@@ -131,4 +124,4 @@ def build(size: str, **overrides) -> ModelSpec:
         raise ValueError(f"wrn: image_size={cfg['image_size']} must be >= 32.")
     return ModelSpec(name="wrn", size=size, config=cfg, layers=make_layers(cfg),
                      loss_fn=classification_loss, metrics_fn=classification_metrics,
-                     task="classification", sample_batch=functools.partial(_sample_batch, cfg))
+                     task="classification", sample_batch=functools.partial(image_sample_batch, cfg))
