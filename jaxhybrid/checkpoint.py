@@ -71,24 +71,32 @@ def leaf_sharding(mesh, shape) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
-    """(Traced) packed {key: [S, length]} buffers -> one tree per layer."""
+def _unpack_rows(pipe, collection: str, rows: dict, unpack) -> list:
+    """Stacked {key: [S, length]} rows -> one tree per layer, with `unpack` (traced or
+    numpy). A device's row holds its stages' layers (several with virtual stages)."""
     out = [None] * len(pipe.layers)
-    # A device's row holds its stages' layers (several stages with virtual stages).
     for s, layers in enumerate(pipe.device_layers):
-        trees = packing.unpack(pipe.param_layouts[s][collection],
-                               {k: v[s] for k, v in buffers.items()})
+        trees = unpack(pipe.param_layouts[s][collection], {k: v[s] for k, v in rows.items()})
         for i, tree in zip(layers, trees):
             out[i] = tree
     return out
 
 
+def _pack_rows(pipe, collection: str, per_layer: list, lengths: dict, pack, stack) -> dict:
+    """Inverse of `_unpack_rows` with `pack` and `stack` (traced or numpy)."""
+    rows = [pack(pipe.param_layouts[s][collection], [per_layer[i] for i in layers], lengths)
+            for s, layers in enumerate(pipe.device_layers)]
+    return {k: stack([r[k] for r in rows]) for k in lengths}
+
+
+def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
+    """(Traced) packed {key: [S, length]} buffers -> one tree per layer."""
+    return _unpack_rows(pipe, collection, buffers, packing.unpack)
+
+
 def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
     """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
-    rows = [packing.pack(pipe.param_layouts[s][collection],
-                         [per_layer[i] for i in layers], lengths)
-            for s, layers in enumerate(pipe.device_layers)]
-    return {k: jnp.stack([r[k] for r in rows]) for k in lengths}
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack)
 
 
 def holds_every_stage(mesh) -> bool:
@@ -114,21 +122,12 @@ def _local_rows(buffers: dict) -> dict:
 
 def _unpack_host(pipe, collection: str, buffers: dict) -> list:
     """`_unpack_collection` on the host (numpy trees), from this process's shards."""
-    rows, out = _local_rows(buffers), [None] * len(pipe.layers)
-    for s, layers in enumerate(pipe.device_layers):
-        trees = packing.unpack_numpy(pipe.param_layouts[s][collection],
-                                     {k: r[s] for k, r in rows.items()})
-        for i, tree in zip(layers, trees):
-            out[i] = tree
-    return out
+    return _unpack_rows(pipe, collection, _local_rows(buffers), packing.unpack_numpy)
 
 
 def _pack_host(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
     """`_pack_collection` on the host (numpy)."""
-    rows = [packing.pack_numpy(pipe.param_layouts[s][collection],
-                               [per_layer[i] for i in layers], lengths)
-            for s, layers in enumerate(pipe.device_layers)]
-    return {k: np.stack([r[k] for r in rows]) for k in lengths}
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack)
 
 
 def _host_value(leaf) -> np.ndarray:
@@ -155,11 +154,9 @@ def unpack_like_params(pipe, buffers: dict) -> list:
 def pack_like_params(pipe, per_layer: list) -> dict:
     """One numpy tree per layer, shaped like that layer's params (the same on every
     process) -> packed buffers like variables["params"], sharded over "pipe"."""
-    rows = [packing.pack_numpy(pipe.param_layouts[s]["params"],
-                               [per_layer[i] for i in layers], pipe.param_len)
-            for s, layers in enumerate(pipe.device_layers)]
     sharding = NamedSharding(pipe.mesh, P(PIPE))
-    return {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in pipe.param_len}
+    host = _pack_host(pipe, "params", per_layer, pipe.param_len)
+    return {k: jax.device_put(v, sharding) for k, v in host.items()}
 
 
 def opt_state_shardings(pipe, opt_state: PyTree, params: dict) -> PyTree:
