@@ -430,12 +430,7 @@ class Pipeline:
 
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""
-        trees, x = [mb_in], mb_in
-        for st in self.engine().stages:
-            x = jax.eval_shape(lambda p, s, x, key, st=st: st.apply(
-                p, s, x, train=train, rng=key, microbatch=0)[0],
-                st.abstract_params, st.abstract_state, x, rng)
-            trees.append(x)
+        trees = runtime.boundary_trees(self.engine(), mb_in, train, rng)
         internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
         return runtime.StageLayouts(
             act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],

@@ -151,15 +151,26 @@ def _backward_fn(residuals: Residuals, k: int, last: bool):
     return bwd
 
 
+def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
+    """Abstract input of every stage and the model's output, [x_0, ..., x_K], for one
+    microbatch (no FLOPs)."""
+    trees = [mb_inputs]
+    for stage in eng.stages:
+        trees.append(jax.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
+            p, st, x, train=train, rng=key, microbatch=0)[0],
+            stage.abstract_params, stage.abstract_state, trees[-1], rng))
+    return trees
+
+
 def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: bool,
                   rng, split: bool) -> StageLayouts:
     """Abstractly runs every stage in order on one microbatch (no FLOPs) to learn its
     boundary, residual and (split) crossing layouts."""
     K = len(eng.stages)
-    trees, kept_trees, residuals, splits, crosses = [mb_inputs], [], Residuals(), [], []
-    x = mb_inputs
+    trees = boundary_trees(eng, mb_inputs, train, rng)
+    kept_trees, residuals, splits, crosses = [], Residuals(), [], []
     gmb = jax.ShapeDtypeStruct((), jnp.int32)
-    for k, stage in enumerate(eng.stages):
+    for k, (stage, x) in enumerate(zip(eng.stages, trees)):
         last = k == K - 1
 
         def run(params, state, x, tgt, key, gmb, k=k, stage=stage, last=last):
@@ -176,10 +187,6 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
                                len(jax.tree.leaves(stage.abstract_params)))
             splits.append(sb)
             crosses.append(sb.crossing_avals)
-        x = jax.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
-            p, st, x, train=train, rng=key, microbatch=0)[0],
-            stage.abstract_params, stage.abstract_state, x, rng)
-        trees.append(x)
     internal, act_len = packing.shared_layouts(trees[1:K], whole_min=None)
     grads, grad_len = packing.shared_layouts([_floats(t) for t in trees[1:K]], whole_min=None)
     res, res_len = packing.shared_layouts(kept_trees)
