@@ -1,16 +1,23 @@
-"""The benchmarks' stand-in model: residual Dense blocks and a classifier head, as
-separate pipeline layers (identical blocks, so stage splits are easy to reason about)."""
+"""The benchmarks' stand-in models: Dense blocks (residual relu, or plain Dense+tanh as a
+new user would stack them) and a classifier head, as separate pipeline layers (identical
+blocks, so stage splits are easy to reason about)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 
+ACTIVATIONS = {"relu": nn.relu, "tanh": jnp.tanh}
+
+
 class Block(nn.Module):
     width: int
+    activation: str = "relu"
+    residual: bool = True
 
     @nn.compact
     def __call__(self, x):
-        return nn.relu(nn.Dense(self.width)(x)) + x
+        y = ACTIVATIONS[self.activation](nn.Dense(self.width)(x))
+        return y + x if self.residual else y
 
 
 class Head(nn.Module):

@@ -8,8 +8,10 @@ Prints, for each (schedule, S, M):
   * parameter bytes per device and the padding waste of the packed stage buffers (also
     for the tiny jaxhybrid.models with the planner's split);
 and CPU-second ratios, each pair measured interleaved in one run:
-  * a pipelined step (data=1, pipe=4, M=8, remat "none") over a data-parallel step
-    (data=4, pipe=1) of the same model and global batch, for each width in --speed_widths.
+  * a pipelined step (data=1, pipe=4, --speed_m microbatches, remat "none") over a
+    data-parallel step (data=4, pipe=1) of the same model and global batch, for each
+    schedule in --speed_schedules x width in --speed_widths x --speed_microbatches, on a
+    stack of --blocks Dense+tanh layers and a head (--speed_model).
     Simulated devices share this machine's cores, so CPU-seconds (total work), not wall
     time, is the fair comparison: a pipeline that computed in its bubbles, padded heavily
     or recomputed needlessly would burn more of them. The data-parallel step is taken
@@ -44,7 +46,8 @@ from jaxhybrid.plan.topology import fmt_bytes
 
 FLAGS = flags.FLAGS
 MEMORY_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
-flags.DEFINE_string("model", "mlp", "mlp (residual Dense blocks + head) | a jaxhybrid.models name.")
+flags.DEFINE_string("model", "mlp", "mlp (residual relu Dense blocks + head) | tanh (Dense+tanh "
+                    "blocks + head) | a jaxhybrid.models name.")
 flags.DEFINE_integer("blocks", 15, "mlp residual blocks (+ 1 head layer: 16 layers split "
                      "4 ways leave one stage a block short, the rest even).")
 flags.DEFINE_string("size", "tiny", "model size for jaxhybrid.models names.")
@@ -55,6 +58,9 @@ flags.DEFINE_list("speed_widths", "512,1024", "mlp widths of the pipelined vs da
                   "table (the wider model moves 4x the parameters per step).")
 flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
 flags.DEFINE_list("memory_schedules", ",".join(MEMORY_SCHEDULES), "schedules of the memory table.")
+flags.DEFINE_string("speed_model", "tanh", "mlp | tanh: the stack of the CPU-seconds table.")
+flags.DEFINE_list("speed_microbatches", "", "microbatch sizes of the CPU-seconds table "
+                  "(empty: --microbatch).")
 flags.DEFINE_list("speed_schedules", "1f1b,interleaved,zb-h1", "schedules of the CPU-seconds table.")
 flags.DEFINE_integer("speed_m", 8, "microbatches of the pipelined step in the CPU-seconds table.")
 flags.DEFINE_list("compile_schedules", "", "schedules whose Inception-V3 tiny step (data=2, "
@@ -66,8 +72,9 @@ flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
 
 def bench_model(name: str, size: str = "tiny", width: int = 512, blocks: int = 15):
     """(layers, loss_fn, make_batch(n) -> (inputs, targets)) of the benchmark model."""
-    if name == "mlp":
-        layers = [Block(width) for _ in range(blocks)] + [Head()]
+    if name in ("mlp", "tanh"):
+        block = Block(width) if name == "mlp" else Block(width, "tanh", residual=False)
+        layers = [block.clone() for _ in range(blocks)] + [Head()]
 
         def make_batch(n, seed=0):
             r = np.random.default_rng(seed)
@@ -133,20 +140,20 @@ def least(fns: dict, repeats: int, measure=cpu_seconds) -> dict:
 
 
 def speed_rows(widths, blocks: int, mb: int, repeats: int, schedule: str = "1f1b",
-               M: int = 8) -> list[dict]:
+               M: int = 8, model: str = "tanh") -> list[dict]:
     """Pipelined (data=1, pipe=4, M microbatches of `mb`) vs data-parallel (data=4) CPU-
     seconds per step of the same global batch: DP with M/4 microbatches of the same size
     (the engine's own overhead), and plain DP (no microbatching)."""
     rows = []
     for width in widths:
-        layers, loss_fn, make_batch = bench_model("mlp", width=width, blocks=blocks)
+        layers, loss_fn, make_batch = bench_model(model, width=width, blocks=blocks)
         per_layer = init_layers(layers, jax.random.key(0), make_batch(1)[0])
         batch = make_batch(M * mb)   # one global batch for every layout
         step = lambda **kw: pipeline_step(layers, loss_fn, per_layer, batch, **kw)[:2]
         t = least(dict(piped=step(data=1, pipe=4, M=M, schedule=schedule),
                        dp1=step(data=4, pipe=1, M=1), dp2=step(data=4, pipe=1, M=max(1, M // 4))),
                   repeats)
-        rows.append(dict(width=width, microbatch=mb, schedule=schedule, M=M, **t))
+        rows.append(dict(width=width, microbatch=mb, schedule=schedule, M=M, model=model, **t))
     return rows
 
 
@@ -156,7 +163,7 @@ def print_speed_rows(rows) -> None:
     print(f"{'schedule / model':34} {'pipelined 1x4':>14} {'DP 4x1 M=1':>11} {'ratio':>6} "
           f"{'DP acc':>11} {'ratio':>6}")
     for r in rows:
-        name = f"{r['schedule']} M={r['M']} mlp w={r['width']} mb={r['microbatch']}"
+        name = f"{r['schedule']} M={r['M']} {r['model']} w={r['width']} mb={r['microbatch']}"
         print(f"{name:34} "
               f"{r['piped'] * 1e3:14.1f} ms {r['dp1'] * 1e3:8.1f} ms {r['piped'] / r['dp1']:5.2f}x "
               f"{r['dp2'] * 1e3:8.1f} ms {r['piped'] / r['dp2']:5.2f}x")
@@ -247,9 +254,11 @@ def main(argv) -> None:
     if FLAGS.padding_models:
         padding_table(FLAGS.padding_models)
 
-    print_speed_rows([row for schedule in FLAGS.speed_schedules for row in speed_rows(
-        [int(w) for w in FLAGS.speed_widths], FLAGS.blocks, mb, FLAGS.repeats, schedule,
-        FLAGS.speed_m)])
+    print_speed_rows([row for schedule in FLAGS.speed_schedules
+                      for smb in [int(m) for m in FLAGS.speed_microbatches or [mb]]
+                      for row in speed_rows([int(w) for w in FLAGS.speed_widths], FLAGS.blocks,
+                                            smb, FLAGS.repeats, schedule, FLAGS.speed_m,
+                                            FLAGS.speed_model)])
 
     batch = make_batch(8 * mb)
     fns = dict(one=pipeline_step(layers, loss_fn, per_layer, batch, data=1, pipe=1, M=1)[:2],
