@@ -245,7 +245,7 @@ def _cotangent(job: Job, k: int, g_row: dict) -> list:
 
 def backward_branch(job: Job, k: int):
     """B of stage k: (params, stash row, gradient row) -> (packed input gradient, packed
-    parameter gradient or zeros when split, packed crossing values or zeros)."""
+    parameter gradient or None when split, packed crossing values or zeros)."""
     lay, stage = job.lay, job.eng.stages[k]
 
     def run(p_bufs, res_row, g_row):
@@ -260,8 +260,9 @@ def backward_branch(job: Job, k: int):
             g_params, g_x = grads[0], (grads[1] if k > 0 else [])
             cross = packing.zeros(lay.cross_len)
         g_out = packing.pack(lay.grad[k], g_x, lay.grad_len) if k > 0 else packing.zeros(lay.grad_len)
-        g_p = (packing.zeros(job.eng.param_len) if g_params is None
-               else packing.pack(stage.params, g_params, job.eng.param_len))
+        # A split B returns no parameter gradient at all (not a zero buffer for W to add).
+        g_p = None if g_params is None else packing.pack(stage.params, g_params,
+                                                         job.eng.param_len)
         return g_out, g_p, cross
     return run
 
