@@ -34,7 +34,7 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/backend_compile_duration")
 
 _lock = threading.Lock()
-_compile_seconds = 0.0
+_compile_seconds = {e: 0.0 for e in COMPILE_EVENTS}
 _listening = False
 
 
@@ -69,16 +69,16 @@ def enable_caches(cache_dir: str | os.PathLike | None) -> str | None:
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
-    global _compile_seconds
-    if event in COMPILE_EVENTS:
+    if event in _compile_seconds:
         with _lock:
-            _compile_seconds += duration
+            _compile_seconds[event] += duration
 
 
-def compile_seconds() -> float:
+def compile_seconds(event: str | None = None) -> float:
     """Seconds this process has spent tracing, lowering and compiling (or reading
-    compiled programs back from the persistent cache) since the first `Phases`."""
-    return _compile_seconds
+    compiled programs back from the persistent cache) since the first `Phases`; or
+    those of one of `COMPILE_EVENTS`."""
+    return _compile_seconds[event] if event else sum(_compile_seconds.values())
 
 
 class Phases:
@@ -94,6 +94,7 @@ class Phases:
             _listening = True
         self.launched = time.time() if launched is None else launched
         self.seconds: dict[str, float] = {}
+        self._events_at_start = {e: compile_seconds(e) for e in COMPILE_EVENTS}
         self._open: dict[str, tuple[float, float | None]] = {}
 
     def start(self, name: str, split_compile: bool = True) -> None:
@@ -117,6 +118,11 @@ class Phases:
     def summary(self) -> str:
         total = time.time() - self.launched
         parts = [f"{k} {v:.1f} s" for k, v in self.seconds.items()]
+        trace, lower, xla = (compile_seconds(e) - self._events_at_start[e] for e in COMPILE_EVENTS)
+        if "compile" in self.seconds:
+            parts[list(self.seconds).index("compile")] += (
+                f" (all phases: tracing {trace:.1f} s, lowering {lower:.1f} s, XLA or its "
+                f"cache {xla:.1f} s)")
         other = total - sum(self.seconds.values())
         return (f"start-up: {', '.join(parts)}, other (imports, data, checkpoints) "
                 f"{other:.1f} s; launch -> first step done {total:.1f} s")
