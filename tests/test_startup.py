@@ -109,3 +109,31 @@ def test_weight_decay_mask_from_shapes_matches_the_unpacked_parameters():
     for got, want in zip(jax.tree.leaves(mask), jax.tree.leaves(expect)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert 0 < np.asarray(got).sum() < np.asarray(got).size   # kernels 1, biases 0
+
+
+class Tower(nn.Module):
+    """One module the splitter cuts into pieces."""
+    @nn.compact
+    def __call__(self, x):
+        for width in (16, 16, 16, 8):
+            x = nn.relu(nn.Dense(width)(x))
+        return x
+
+
+def test_split_model_piece_costs_cached_on_disk(tmp_path, monkeypatch):
+    from jaxhybrid.splitter import costs as piece_mod
+    from jaxhybrid.splitter.model import SplitModel
+    split = SplitModel(Tower(), X, min_pieces=4)
+    try:
+        costs_mod.set_cache_dir(tmp_path)
+        first = piece_mod.piece_costs(split, X)
+        analysed = []
+        real = piece_mod._xla_cost
+        monkeypatch.setattr(piece_mod, "_xla_cost", lambda c: analysed.append(1) or real(c))
+        again = piece_mod.piece_costs(split, X)
+    finally:
+        costs_mod.set_cache_dir(None)
+    assert not analysed and len(list((tmp_path / "costs").glob("*.json"))) >= 2
+    assert [c.fwd_flops for c in again] == [c.fwd_flops for c in first]
+    assert [c.bwd_bytes for c in again] == [c.bwd_bytes for c in first]
+    assert piece_mod.piece_costs(split, X)[0].fwd_flops > 0 and analysed   # no cache: analysed

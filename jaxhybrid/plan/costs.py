@@ -230,12 +230,18 @@ def _read_cache(path: pathlib.Path) -> list[LayerCost] | None:
 
 
 def _write_cache(path: pathlib.Path, costs: list[LayerCost]) -> None:
+    _write_text(path, json.dumps([c.to_dict() for c in costs]))
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    """A cache entry, written atomically (never half-written); a cache that cannot be
+    written costs time, not the run."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([c.to_dict() for c in costs]))
-        os.replace(tmp, path)          # never a half-written entry
-    except OSError:                    # a read-only cache costs time, not the run
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
         pass
 
 
