@@ -77,8 +77,9 @@ flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4", "calibration configs (micr
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
                     "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
-flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the runs of one configuration "
-                  "are summarised (min: steadier on a busy machine).")
+flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the timed runs of one "
+                  "configuration, and of each profiled layer, are summarised (min: steadier on a "
+                  "busy machine).")
 flags.DEFINE_string("json_out", None, "also write the rows and the calibration as JSON here.")
 flags.DEFINE_enum("calibration", "auto", ["auto", "fit", "stored"], "auto: the stored fit of "
                   "this device kind if there is one, else fit and store; fit: fit anew and "
@@ -93,6 +94,7 @@ class Model:
     """A residual MLP as pipeline layers, its per-layer variables and a batch maker."""
     width: int
     blocks: int
+    reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -109,7 +111,8 @@ class Model:
         """Measured per-layer costs at microbatch m (profiled once per size)."""
         if m not in self._costs:
             self._costs[m] = profile(self.layers, self.batch(m)[0], measure=True,
-                                     repeats=repeats, variables=self.variables)
+                                     repeats=repeats, variables=self.variables,
+                                     reduce=self.reduce)
         return self._costs[m]
 
 
@@ -250,7 +253,7 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks))
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce))
         est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         t = measure_step(m, data=data, pipe=pipe, M=M, batch=batch, boundaries=est.boundaries,
@@ -314,8 +317,8 @@ def main(argv) -> None:
         load = (float("nan"),) * 3
     print(f"host: {n} x {jax.devices()[0].platform} devices, {os.cpu_count()} cores, load "
           f"average {load[0]:.2f} (timings are noisy when other processes use the cores)")
-    model = Model(FLAGS.val_width, FLAGS.val_blocks)
-    cal = Model(FLAGS.cal_width, FLAGS.val_blocks)
+    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce)
+    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce)
     from jaxhybrid import startup
     from jaxhybrid.plan import calibration
     cache_dir = FLAGS.cache_dir or startup.default_cache_dir()

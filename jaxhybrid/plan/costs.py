@@ -20,8 +20,8 @@ Memory kept for backward, per microbatch:
 Both equal the output bytes that XLA's `memory_analysis()` reports for a compiled function
 returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py checks it).
 
-Times: measured (median of `repeats` runs after a warm-up, `block_until_ready`) when
-`measure=True`; otherwise a roofline estimate on the local device,
+Times: measured (median, or minimum, of `repeats` runs after a warm-up,
+`block_until_ready`) when `measure=True`; otherwise a roofline estimate on the local device,
     time = max(flops / peak_flops, bytes_accessed / memory_bandwidth),
 with the peak numbers of `device_peak()` (a table by device kind; override with
 `peak_flops=` / `memory_bandwidth=`). The estimate ignores launch overheads and fusion
@@ -167,7 +167,7 @@ def _compile(lowered, run: bool):
         return lowered.compile()
 
 
-def _timed(fn, args, repeats: int) -> float:
+def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
     import jax
     jax.block_until_ready(fn(*args))   # warm-up (and any lazy allocation)
     runs = []
@@ -175,7 +175,7 @@ def _timed(fn, args, repeats: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t0)
-    return float(statistics.median(runs))
+    return float(min(runs) if reduce == "min" else statistics.median(runs))
 
 
 # --- the on-disk cache -----------------------------------------------------------------
@@ -250,12 +250,15 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
             repeats: int = 5, rng=None, variables: Sequence[dict] | None = None,
             names: Sequence[str] | None = None, peak_flops: float | None = None,
             memory_bandwidth: float | None = None,
-            cache_dir: str | os.PathLike | None | bool = True) -> list[LayerCost]:
+            cache_dir: str | os.PathLike | None | bool = True,
+            reduce: str = "median") -> list[LayerCost]:
     """Runs `layers` in order on `sample_inputs` (e.g. one microbatch) and returns one
     LayerCost per layer (see the module docstring for what each number means).
 
     variables: per-layer variable dicts to use instead of fresh `init_layer` ones.
     rng: key for init and dropout (default PRNGKey(0)).
+    reduce: "median" or "min" of the `repeats` timed runs (min: steadier on a busy host,
+      where other processes only ever add time).
     cache_dir: directory of the on-disk cache (True: `cache_dir()`, the one set by
       `set_cache_dir`; None/False: none). Entries are keyed by every layer's
       `layer_signature`, the input shapes and dtypes, the options, the device kind and the
@@ -275,6 +278,8 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
         raise ValueError(f"profile: {len(variables)} variable dicts for {len(layers)} layers.")
     if names is not None and len(names) != len(layers):
         raise ValueError(f"profile: {len(names)} names for {len(layers)} layers.")
+    if reduce not in ("median", "min"):
+        raise ValueError(f"profile: reduce={reduce!r}; use 'median' or 'min'.")
     if peak_flops is None or memory_bandwidth is None:
         pf, mb = device_peak()
         peak_flops, memory_bandwidth = peak_flops or pf, memory_bandwidth or mb
@@ -289,18 +294,18 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
     if directory is not None and variables is None and rng is None:
         path = _cache_path(os.fspath(directory), [
             [layer_signature(l) for l in layers], _avals_text(x), train, measure,
-            repeats if measure else 0, peak_flops, memory_bandwidth])
+            [repeats, reduce] if measure else 0, peak_flops, memory_bandwidth])
         cached = _read_cache(path)
         if cached is not None and len(cached) == len(layers):
             return [dataclasses.replace(c, name=n) for c, n in zip(cached, names)]
-    out = _profile(layers, x, train=train, measure=measure, repeats=repeats, rng=rng,
+    out = _profile(layers, x, train=train, measure=measure, timing=(repeats, reduce), rng=rng,
                    variables=variables, names=names, peaks=(peak_flops, memory_bandwidth))
     if path is not None:
         _write_cache(path, out)
     return out
 
 
-def _profile(layers, x, *, train, measure, repeats, rng, variables, names, peaks) -> list[LayerCost]:
+def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks) -> list[LayerCost]:
     import jax
 
     from jaxhybrid.layers import init_layer, layer_rng
@@ -325,14 +330,14 @@ def _profile(layers, x, *, train, measure, repeats, rng, variables, names, peaks
         sig = (layer_signature(layer), _avals_text(x), _avals_text(lvars), i > 0)
         if measure or sig not in seen:
             seen[sig] = _layer_cost(layer, lvars, x, layer_rng(drop_key, 0, i), i > 0,
-                                    train=train, measure=measure, repeats=repeats, peaks=peaks)
+                                    train=train, measure=measure, timing=timing, peaks=peaks)
         fields, y = seen[sig]
         out.append(LayerCost(name=names[i], batch_size=batch, measured=bool(measure), **fields))
         x = y
     return out
 
 
-def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, repeats, peaks):
+def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks):
     """(LayerCost fields but name/batch_size/measured, the layer's output) of one layer on
     `x` with variables `lvars` (arrays when measuring, else ShapeDtypeStructs)."""
     import jax
@@ -384,9 +389,9 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, rep
         bwd_c = _compile(jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct), measure)
         bwd_flops, bwd_bytes = _xla_cost(bwd_c)
         if measure:
-            bwd_time = _timed(bwd_c, (vjp_fn, ct), repeats)
+            bwd_time = _timed(bwd_c, (vjp_fn, ct), *timing)
     if measure:
-        fwd_time = _timed(fwd_c, (lvars, x), repeats)
+        fwd_time = _timed(fwd_c, (lvars, x), *timing)
     else:
         fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
         bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
