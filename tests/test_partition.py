@@ -170,3 +170,18 @@ def test_mapping_with_replicas_and_heuristic_path():
     assert _transfer(heur, cuts, topo) <= _transfer(list(range(8)), cuts, topo)
     with pytest.raises(ValueError, match="need 9 devices"):
         map_devices([1] * 8, topo)
+
+
+def test_one_boundary_module_for_planner_and_pipeline():
+    from jaxhybrid import boundaries, plan
+    from jaxhybrid import pipeline as jp
+    assert boundaries.even_boundaries(10, 4) == [3, 6, 8]           # extra layers first
+    assert jp.even_boundaries is plan.even_boundaries is boundaries.even_boundaries
+    assert callable(plan.partition)                                  # the function, not a module
+    assert boundaries.stage_ranges([3, 6, 8], 10) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    np.testing.assert_array_equal(boundaries.stage_sums(np.arange(10), [3, 6, 8]),
+                                  [3, 12, 13, 17])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        boundaries.stage_ranges([3, 3], 10)
+    with pytest.raises(ValueError, match="num_stages"):
+        boundaries.even_boundaries(3, 4)
