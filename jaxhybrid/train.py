@@ -218,7 +218,9 @@ def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
 def weight_decay_mask(pipe, variables) -> dict:
     """Packed 1.0 for kernels/embeddings (ndim >= 2), 0.0 for biases and norm scales.
     Built on the host from the layers' parameter shapes (unpacking the parameters on the
-    mesh compiled a program that took minutes for Inception on a busy CPU)."""
+    mesh compiled a program that took minutes for Inception on a busy CPU); `variables`
+    is not read (the signature stays for callers)."""
+    del variables
     masks = [jax.tree.map(lambda a: np.full(a.shape, len(a.shape) >= 2, a.dtype),
                           shapes.get("params", {})) for shapes in pipe.layer_shapes]
     return checkpoint.pack_like_params(pipe, masks)
