@@ -27,11 +27,12 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 `include_update=False` leaves it out, e.g. to compare with a measured
                 value_and_grad step).
 
-Memory per device: parameter state (`Hardware.param_state_bytes`) + non-param state +
-in-flight microbatches (`Schedule.in_flight`; 1 at pipe = 1, which accumulates one
-microbatch after another) x saved activations + boundary buffers; stages that do not
-fit recompute their layers (keep layer inputs, bwd += fwd); configs that still do not
-fit are infeasible.
+Memory per device: the planner's SPMD model of the engine (`remat.spmd_memory`: padded
+stage buffers, the schedule's stash and inbox slots), with parameter state
+`Hardware.param_state_bytes` per parameter and activations x `bytes_scale`; pipe = 1
+accumulates one microbatch after another (1F1B on one device). Over the usable memory,
+the planner's own recomputation choice (`remat.choose_remat_spmd`, per layer; bwd +=
+the recomputed layers' fwd); configs that still do not fit are infeasible.
 
 Time to accuracy (weak scaling, Pal et al.): global batch B = data * b, steps =
 E(B) * ceil(D / B) with E from `StatEfficiency`, time = steps * step time.
@@ -47,6 +48,7 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
 from jaxhybrid.plan.step_model import lockstep_time
@@ -222,36 +224,36 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         boundaries = partition(fwd + bwd, K, boundary_bytes=out_bytes if topo and v == 1 else None,
                                topology=topo if v == 1 else None)
     cuts = est.boundaries = [int(x) for x in boundaries]
-    # pipe = 1 runs microbatches one after another (gradient accumulation): one in flight.
-    inflight = sched.stage_in_flight() if pipe > 1 else np.ones(K, int)
-
-    # Memory, and recomputation for stages that would not fit.
+    # Memory: the planner's SPMD model of the engine (`remat.spmd_memory`) at the
+    # hardware's bytes (parameter state per parameter, activations x bytes_scale); pipe = 1
+    # runs microbatches one after another (gradient accumulation: one in flight, as 1F1B
+    # on one device). Over the budget: the planner's recomputation (`choose_remat_spmd`).
+    mem_sched = sched if pipe > 1 else make_schedule("1f1b", 1, M)
     pstate = hw.param_state_bytes(optimizer_states)
     arr = lambda f: np.array([getattr(c, f) for c in per_layer], float)  # noqa: E731
     params = stage_sums(arr("param_count"), cuts)
-    state = params * pstate + stage_sums(arr("state_bytes"), cuts)
-    saved = arr("saved_bytes") * hw.bytes_scale
-    saved_remat = arr("saved_bytes_remat") * hw.bytes_scale
-    io = (arr("in_bytes") + arr("out_bytes")) * hw.bytes_scale
+    bs = hw.bytes_scale
+    engine_costs = [dataclasses.replace(
+        c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
+        saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
+        out_bytes=c.out_bytes * bs) for c in per_layer]
+    factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
     F, B = stage_sums(fwd, cuts), stage_sums(bwd, cuts)
-    mem, remat = [], []
-    for s, (lo, hi) in enumerate(stage_ranges(cuts, L)):
-        buffers = io[lo] + io[hi - 1]
-        plain = state[s] + inflight[s] * saved[lo:hi].sum() + buffers
-        if plain <= hw.usable_memory / v:   # a device's v stages share its memory
-            mem.append(plain), remat.append(False)
-            continue
-        mem.append(state[s] + inflight[s] * saved_remat[lo:hi].sum() + saved[lo:hi].max() + buffers)
-        remat.append(True)
-        B[s] += F[s]
+    flags = [False] * L
+    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
+    if device > hw.usable_memory:
+        try:
+            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, hw.usable_memory,
+                                      param_state_factor=factor)
+        except MemoryBudgetError:
+            est.reason = (f"needs {device / 1e9:.3g} GB per device > "
+                          f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
+            return est
+        mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
+        B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)
+    remat = [bool(any(flags[a:b])) for a, b in stage_ranges(cuts, L)]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
-    device_mem = np.bincount(sched.stage_device, weights=mem, minlength=pipe)
-    if device_mem.max() > hw.usable_memory:
-        d = int(np.argmax(device_mem))
-        est.reason = (f"device {d} needs {device_mem[d] / 1e9:.3g} GB > "
-                      f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
-        return est
 
     # The lock-step pipeline.
     per_tick_comm = engine = 0.0
