@@ -7,7 +7,10 @@ planner's stage boundaries [3, 6, 11], 1F1B over 4 microbatches, Inception-V3 "t
 after 300 steps (~13 epochs of the 1437 training digits) eval_accuracy 0.972 on the
 360 test digits (0.955-0.972 across seeds and engine versions, whose floating-point
 summation orders differ), in 3 min 2 s - 3 min 12 s wall time on 2 quiet CPU cores:
-~60 s planning (layer profiling) and initialisation, ~40 s compiling, then 4-4.5 steps/s.
+~60 s planning (layer profiling) and initialisation, ~40 s compiling, then 4-4.5 steps/s
+(measured before layer profiling went abstract and cached: the log's "start-up:" line
+gives this run's phases; a second run reads the layer profiles and compiled programs
+from --cache_dir, ~/.cache/jaxhybrid).
 
 
 With GPUs the mesh uses every GPU (pipe = 4, 2 or 1, whichever divides the count;

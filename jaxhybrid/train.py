@@ -11,6 +11,7 @@ file in the workdir is written.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -29,7 +30,7 @@ import optax
 from absl import logging
 
 import jaxhybrid as jh
-from jaxhybrid import checkpoint, config_flags, data, distributed, models
+from jaxhybrid import checkpoint, config_flags, data, distributed, models, startup
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA
 
@@ -215,10 +216,13 @@ def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
 
 
 def weight_decay_mask(pipe, variables) -> dict:
-    """Packed 1.0 for kernels/embeddings (ndim >= 2), 0.0 for biases and norm scales."""
-    per_layer = checkpoint.unpack_like_params(pipe, variables["params"])
-    masks = [jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), tree)
-             for tree in per_layer]
+    """Packed 1.0 for kernels/embeddings (ndim >= 2), 0.0 for biases and norm scales.
+    Built on the host from the layers' parameter shapes (unpacking the parameters on the
+    mesh compiled a program that took minutes for Inception on a busy CPU); `variables`
+    is not read (the signature stays for callers)."""
+    del variables
+    masks = [jax.tree.map(lambda a: np.full(a.shape, len(a.shape) >= 2, a.dtype),
+                          shapes.get("params", {})) for shapes in pipe.layer_shapes]
     return checkpoint.pack_like_params(pipe, masks)
 
 
@@ -299,7 +303,8 @@ class MetricWriter:
 # --- the loop -----------------------------------------------------------------------
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
                        train_data: Callable[[], Iterable] | None = None,
-                       eval_data: Callable[[], Iterable] | None = None) -> dict:
+                       eval_data: Callable[[], Iterable] | None = None,
+                       launched: float | None = None) -> dict:
     """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the
     final metrics: step, train_loss, eval_* and wall_time_s (of this call).
 
@@ -309,8 +314,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
     Multi-process (jax.distributed initialised, see jaxhybrid.distributed): every
     process calls this; each loads its own rows of every global batch, writes its own
-    checkpoint shards, and only process 0 writes metrics, events and logs."""
+    checkpoint shards, and only process 0 writes metrics, events and logs.
+
+    launched: time.time() at the program's start; the log's start-up line (plan, init,
+    compile, first step: `jaxhybrid.startup.Phases`) counts from it (default: now)."""
     started = time.time()
+    phases = startup.Phases(launched or started)
     run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     t, pipe = config.train, run.pipe
     workdir = pathlib.Path(workdir).absolute()
@@ -320,6 +329,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     init_rng, train_rng = jax.random.split(base_rng)
 
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
+    with phases("plan", split_compile=False):
+        pipe.make_plan(run.sample_inputs)
+    phases.start("init")                 # parameters, optimizer state, restore
     variables = pipe.init(init_rng, run.sample_inputs)
     planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
     if planned and jax.process_count() > 1:
@@ -346,6 +358,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         if main:
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
                          meta.get("layout"))
+    phases.stop("init")
     writer = None
     if main:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -371,9 +384,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                 raise ValueError(f"train: the training data ran out after {step - 1} steps; "
                                  f"train_data() must yield train.steps={t.steps} batches.")
             inputs, targets = batch
-            state, m = train_step(state, decay_mask, inputs, targets,
-                                  jax.random.fold_in(train_rng, step))
-            m = {k: float(v) for k, v in m.items()}
+            with phases("first step") if step == start + 1 else contextlib.nullcontext():
+                state, m = train_step(state, decay_mask, inputs, targets,
+                                      jax.random.fold_in(train_rng, step))
+                m = {k: float(v) for k, v in m.items()}
+            if step == start + 1 and main:
+                logging.info(phases.summary())
             # The updated parameters count too: a finite loss with an overflowing update
             # would otherwise be checkpointed before the next step's loss shows it.
             if not all(map(math.isfinite, m.values())):

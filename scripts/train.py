@@ -14,11 +14,19 @@ Several processes (hosts): started by SLURM (srun) or Open MPI (mpirun), the run
 them by itself; otherwise give every process --coordinator_address=host:port,
 --num_processes=N and --process_id=i (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID). scripts/launch_local.py starts N such processes on one machine.
+
+Compiled programs and layer profiles are cached in --cache_dir (default
+~/.cache/jaxhybrid), so a second run of a job starts in a fraction of the first one's
+time; the log's "start-up:" line gives plan, init, compile and first-step seconds.
 """
-import logging as std_logging
-import os
-import shutil
-import sys
+import time
+
+_LAUNCHED = time.time()   # the start-up line of the log counts from here
+
+import logging as std_logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
 
 
 def _simulate_cpu_devices() -> None:
@@ -44,6 +52,10 @@ from jaxhybrid import config_flags, distributed  # noqa: E402
 _CONFIG = config_flags.define_config_flag("config", default="inception_hybrid.py")
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: "
                                "/tmp/jaxhybrid/<config name>)")
+_CACHE_DIR = flags.DEFINE_string(
+    "cache_dir", None, "where compiled programs (jax's persistent compilation cache) and "
+    "layer profiles are kept so the next run starts fast (default: $JAXHYBRID_CACHE_DIR, "
+    "$XDG_CACHE_HOME/jaxhybrid or ~/.cache/jaxhybrid); --cache_dir= turns caching off")
 # Start-up flags are parsed (and jax.distributed started) before the others: parsing
 # --config runs the config file, which may ask jax for its devices.
 _STARTUP = flags.FlagValues()
@@ -102,13 +114,18 @@ def main(argv):
     main_process = distributed.is_main_process()
     if not main_process:                  # logs, progress and metrics: process 0 only
         logging.set_verbosity(logging.WARNING)
-    from jaxhybrid import checkpoint, train
+    from jaxhybrid import checkpoint, startup, train
+    try:
+        startup.enable_caches(startup.default_cache_dir() if _CACHE_DIR.value is None
+                              else _CACHE_DIR.value)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     name = os.path.splitext(os.path.basename(_config_arg().split(":")[0]))[0]
     workdir = _WORKDIR.value or os.path.join("/tmp/jaxhybrid", name)
     logging.info("config %s, workdir %s, process %d of %d", name, workdir,
                  jax.process_index(), jax.process_count())
     try:
-        result = train.train_and_evaluate(_CONFIG.value, workdir)
+        result = train.train_and_evaluate(_CONFIG.value, workdir, launched=_LAUNCHED)
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch) as e:
         sys.exit(f"error: {e}")
     except jax.errors.JaxRuntimeError as e:

@@ -100,7 +100,7 @@ def test_script_trains_the_default_config_for_two_steps(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=inception_hybrid.py",
            "--config.train.steps=2", "--config.model.size=tiny", "--config.train.batch_size=16",
            "--config.train.eval_steps=1", "--config.pipeline.boundaries=(3, 6, 11)",
-           f"--workdir={tmp_path}"]
+           f"--workdir={tmp_path}", f"--cache_dir={tmp_path / 'cache'}"]
     # ~2-3 min on two quiet cores (compiles Inception's train and eval programs); the
     # margin is for loaded CI hosts (it took 600 s at load average 8).
     out = subprocess.run(cmd, capture_output=True, text=True, env=_script_env(), timeout=1500)
@@ -110,6 +110,8 @@ def test_script_trains_the_default_config_for_two_steps(tmp_path):
     assert recs[-1]["step"] == 2 and 0 <= recs[-1]["eval_accuracy"] <= 1
     assert (tmp_path / "checkpoints" / "2").is_dir()
     assert "orbax" not in out.stderr                         # its INFO chatter is filtered
+    assert "start-up: plan" in out.stderr and "launch -> first step done" in out.stderr
+    assert any((tmp_path / "cache" / "xla").iterdir())      # compiled programs kept
 
 
 def test_script_reports_a_bad_config_in_one_line(tmp_path):

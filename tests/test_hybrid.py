@@ -78,7 +78,9 @@ def test_recomputation_used_when_needed():
     costs = [dataclasses.replace(c, saved_bytes=5 * c.saved_bytes)   # saves 5x its input
              for c in synth(4, params=1000, act=10_000_000)]
     plain = hybrid.step_time(costs, hw(), data=1, pipe=1, num_microbatches=1, per_worker_batch=8)
-    tight = hybrid.step_time(costs, hw(memory=1.5e9, memory_fraction=1.0), data=1, pipe=1,
+    # The planner's SPMD memory model: 5.04 GB without recomputation, 1.52 GB with every
+    # layer recomputed, 2.48 GB with all but one: 1.6 GB fits only the full recompute.
+    tight = hybrid.step_time(costs, hw(memory=1.6e9, memory_fraction=1.0), data=1, pipe=1,
                              num_microbatches=1, per_worker_batch=8)
     assert plain.feasible and not plain.stage_remat[0]
     assert tight.feasible and tight.stage_remat[0]

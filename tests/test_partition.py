@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxhybrid.plan import Topology, equal_split, map_devices, partition, stage_costs
+from jaxhybrid.plan import Topology, even_boundaries, map_devices, partition, stage_costs
 
 
 def objective_value(t, cuts, obj, M, **kw):
@@ -65,14 +65,14 @@ def test_plain_call_minimises_slowest_stage():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_never_worse_than_equal_split(seed):
+def test_never_worse_than_even_boundaries(seed):
     rng = np.random.default_rng(100 + seed)
     L, S = int(rng.integers(20, 60)), int(rng.integers(2, 12))
     t = rng.lognormal(0, 1.2, L)
     kw = dict(topology=Topology.nodes(2, 8, 100e9, 4e9), boundary_bytes=rng.uniform(0, 1e8, L))
     for extra in ({}, kw):
         ours = objective_value(t, partition(t, S, **extra), "bottleneck", 1, **extra)
-        assert ours <= objective_value(t, equal_split(L, S), "bottleneck", 1, **extra) * (1 + 1e-12)
+        assert ours <= objective_value(t, even_boundaries(L, S), "bottleneck", 1, **extra) * (1 + 1e-12)
 
 
 def test_ties_prefer_the_most_even_split():
@@ -134,7 +134,7 @@ def test_large_instance_is_valid():
     t = np.random.default_rng(0).lognormal(0, 1, 1000)
     cuts = partition(t, 64)
     check_valid(cuts, 1000, 64)
-    assert objective_value(t, cuts, "bottleneck", 1) <= objective_value(t, equal_split(1000, 64), "bottleneck", 1)
+    assert objective_value(t, cuts, "bottleneck", 1) <= objective_value(t, even_boundaries(1000, 64), "bottleneck", 1)
 
 
 # --- device mapping ------------------------------------------------------------------
@@ -170,3 +170,18 @@ def test_mapping_with_replicas_and_heuristic_path():
     assert _transfer(heur, cuts, topo) <= _transfer(list(range(8)), cuts, topo)
     with pytest.raises(ValueError, match="need 9 devices"):
         map_devices([1] * 8, topo)
+
+
+def test_one_boundary_module_for_planner_and_pipeline():
+    from jaxhybrid import boundaries, plan
+    from jaxhybrid import pipeline as jp
+    assert boundaries.even_boundaries(10, 4) == [3, 6, 8]           # extra layers first
+    assert jp.even_boundaries is plan.even_boundaries is boundaries.even_boundaries
+    assert callable(plan.partition)                                  # the function, not a module
+    assert boundaries.stage_ranges([3, 6, 8], 10) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    np.testing.assert_array_equal(boundaries.stage_sums(np.arange(10), [3, 6, 8]),
+                                  [3, 12, 13, 17])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        boundaries.stage_ranges([3, 3], 10)
+    with pytest.raises(ValueError, match="num_stages"):
+        boundaries.even_boundaries(3, 4)

@@ -97,3 +97,27 @@ def test_rank_correlation():
     assert pb.rank_correlation([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert pb.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert np.isfinite(pb.rank_correlation([1, 3, 2, 4], [1, 2, 3, 4]))
+
+
+def test_calibration_is_stored_per_device_kind_and_reused(tmp_path):
+    from jaxhybrid.plan import calibration
+    hw = measured_device("fit", mem_bandwidth=5e9, compute_slots=1.5, tick_overhead=12e-6,
+                         tick_param_bytes=17.0, devices_per_node=8)
+    path = calibration.save(hw, tmp_path, {"residuals": [0.05, -0.02]})
+    assert path.name == calibration.device_key() + ".json" and "cpu" in path.name
+    loaded, doc = calibration.load(tmp_path)
+    for f in calibration.FIELDS:
+        assert getattr(loaded, f) == getattr(hw, f), f
+    assert loaded.uses_measured_times and doc["info"]["residuals"] == [0.05, -0.02]
+    assert calibration.load(tmp_path, key="gpu-other-8dev") is None   # another device kind
+    path.write_text("{broken")
+    assert calibration.load(tmp_path) is None
+
+
+def test_validation_configs_name_schedule_and_width():
+    assert pb.parse_val_configs(["zb-h1:2x4x8@384", "1x2x2", "gpipe:1x4x4"], "1f1b", 256) == [
+        ("zb-h1", 2, 4, 8, 384), ("1f1b", 1, 2, 2, 256), ("gpipe", 1, 4, 4, 256)]
+    assert pb.parse_configs(["2x4x8"]) == [(2, 4, 8)]
+    for bad in ("nope:1x2x2", "1x2", "1x2x2@w", "0x2x2"):
+        with pytest.raises(ValueError, match="config"):
+            pb.parse_val_configs([bad], "1f1b", 256)

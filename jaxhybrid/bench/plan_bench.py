@@ -40,7 +40,7 @@ from absl import app, flags
 from jaxhybrid import plan as planner
 from jaxhybrid.plan import reference_costs
 from jaxhybrid.plan.hardware import get_hardware
-from jaxhybrid.plan.hybrid import layer_times as hw_layer_times
+from jaxhybrid.plan.hybrid import times_on_hardware
 from jaxhybrid.plan.topology import fmt_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -66,7 +66,7 @@ M = 8   # microbatches per step everywhere
 def reference_inception(microbatch: int, hardware: str = "v100_dgx1") -> list:
     """Full-size Inception-V3 analytic costs with layer times on `hardware`'s roofline."""
     costs = reference_costs.inception_v3(microbatch)
-    fwd, bwd = hw_layer_times(costs, get_hardware(hardware))
+    fwd, bwd = times_on_hardware(costs, get_hardware(hardware))
     return [dataclasses.replace(c, fwd_time=float(f), bwd_time=float(b))
             for c, f, b in zip(costs, fwd, bwd)]
 
@@ -114,7 +114,7 @@ def partition_rows(name: str, costs, stages=(4, 8)) -> list[dict]:
         t0 = time.perf_counter()
         brute, brute_cuts, n = brute_force_bottleneck(t, S)
         brute_s = time.perf_counter() - t0
-        eq_cuts = planner.equal_split(len(t), S)
+        eq_cuts = planner.even_boundaries(len(t), S)
         equal = planner.stage_costs(t, eq_cuts).bottleneck
         rows.append(dict(model=name, L=len(t), S=S, planner=ours, brute=brute, equal=equal,
                          cut_sets=n, cuts=cuts, brute_cuts=brute_cuts, equal_cuts=eq_cuts,

@@ -1,6 +1,7 @@
 """Step-time model vs the real engine: predicted and measured pipeline steps on this host.
 
-    python scripts/bench.py projection [--val_configs=1x2x2,1x4x8,...] [--runs=7]
+    python scripts/bench.py projection [--val_configs=1x2x2,zb-h1:1x4x8@384,...] [--runs=7]
+                                       [--calibration=auto|fit|stored] [--cache_dir=DIR]
 
 The "hardware" is this host: 8 simulated CPU devices that share its cores. The model is
 `jaxhybrid.plan.hybrid.step_time` on `measured_device` with
@@ -20,7 +21,13 @@ The "hardware" is this host: 8 simulated CPU devices that share its cores. The m
                   other layer times) at microbatch 1, where they dominate.
 
 So every validation row (each pipelined config, and DP at data 2 and 4) is held out:
-no number was fitted on it.
+no number was fitted on it. A validation config is `[schedule:]DATAxPIPExM[@width]`
+(default schedule --schedule, width --val_width): the rows cover schedules, meshes,
+microbatch counts and model widths.
+
+The fitted terms are stored per device kind (`jaxhybrid.plan.calibration`, in
+--cache_dir): --calibration=auto reuses a stored fit and fits (and stores) one when
+there is none, fit always fits anew, stored requires one.
 
 Each row is a real `jaxhybrid.pipeline.Pipeline` step (`value_and_grad`, jitted, inputs
 sharded as in training), the median (--reduce=min: the minimum) wall time of `--runs`
@@ -60,16 +67,25 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("val_width", 256, "validation model: hidden width of the residual MLP.")
 flags.DEFINE_integer("val_blocks", 7, "validation model: residual blocks (+ 1 head layer).")
 flags.DEFINE_integer("val_batch", 32, "per-worker batch (examples per data replica).")
-flags.DEFINE_list("val_configs", "2x1x1,4x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x1,1x4x4,1x4x8,"
-                  "2x4x2,1x8x2,1x8x8", "validation configs, data x pipe x microbatches.")
+flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x8,"
+                  "gpipe:1x4x8,gpipe:2x2x4@384,zb-h1:1x4x8,zb-h1:2x2x4@384,"
+                  "interleaved:1x4x8@384,1x2x8@384",
+                  "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
 flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4", "calibration configs (microbatch 1).")
-flags.DEFINE_string("schedule", "1f1b", "pipeline schedule (gpipe | 1f1b).")
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
+                    "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
-flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the runs of one configuration "
-                  "are summarised (min: steadier on a busy machine).")
+flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the timed runs of one "
+                  "configuration, and of each profiled layer, are summarised (min: steadier on a "
+                  "busy machine).")
 flags.DEFINE_string("json_out", None, "also write the rows and the calibration as JSON here.")
+flags.DEFINE_enum("calibration", "auto", ["auto", "fit", "stored"], "auto: the stored fit of "
+                  "this device kind if there is one, else fit and store; fit: fit anew and "
+                  "store; stored: the stored fit or an error.")
+flags.DEFINE_string("cache_dir", None, "where calibrations are stored (default: "
+                    "jaxhybrid.startup.default_cache_dir(), ~/.cache/jaxhybrid)")
 
 
 # --- the model --------------------------------------------------------------------------
@@ -78,6 +94,7 @@ class Model:
     """A residual MLP as pipeline layers, its per-layer variables and a batch maker."""
     width: int
     blocks: int
+    reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -94,17 +111,34 @@ class Model:
         """Measured per-layer costs at microbatch m (profiled once per size)."""
         if m not in self._costs:
             self._costs[m] = profile(self.layers, self.batch(m)[0], measure=True,
-                                     repeats=repeats, variables=self.variables)
+                                     repeats=repeats, variables=self.variables,
+                                     reduce=self.reduce)
         return self._costs[m]
 
 
 def parse_configs(items) -> list[tuple[int, int, int]]:
+    """["2x4x8", ...] -> [(data, pipe, M), ...]."""
+    return [c[1:4] for c in parse_val_configs(items, None, 0)]
+
+
+def parse_val_configs(items, schedule: str | None, width: int) -> list[tuple]:
+    """["zb-h1:2x4x8@384", "1x2x2", ...] -> [(schedule, data, pipe, M, width), ...]; the
+    schedule and width default to the arguments."""
+    from jaxhybrid.schedules import SCHEDULES
     out = []
     for item in items:
-        parts = str(item).lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"config {item!r}: write data x pipe x microbatches, e.g. 2x4x8.")
-        out.append(tuple(int(p) for p in parts))
+        text = str(item).lower()
+        sched, _, text = text.rpartition(":") if ":" in text else (schedule, "", text)
+        text, _, w = text.partition("@")
+        parts = text.split("x")
+        if (len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts)
+                or (w and not w.isdigit())):
+            raise ValueError(f"config {item!r}: write [schedule:]data x pipe x microbatches"
+                             f"[@width], e.g. 2x4x8 or zb-h1:1x4x8@384.")
+        if sched is not None and sched not in SCHEDULES:
+            raise ValueError(f"config {item!r}: unknown schedule {sched!r}; choose one of "
+                             f"{', '.join(SCHEDULES)}.")
+        out.append((sched, *(int(p) for p in parts), int(w) if w else width))
     return out
 
 
@@ -210,16 +244,23 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
 
 def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str = "1f1b",
              runs: int = 7, reduce: str = "median") -> list[dict]:
-    """Predicted vs measured step for each (data, pipe, M)."""
+    """Predicted vs measured step for each (data, pipe, M), or each (schedule, data, pipe,
+    M, width) (`parse_val_configs`; other widths: a `Model` of that width, same depth)."""
     compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0)
+    models = {model.width: model}
     rows = []
-    for data, pipe, M in configs:
-        est = predict(model, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=schedule)
-        bare = predict(model, compute_only, data=data, pipe=pipe, M=M, batch=batch,
-                       schedule=schedule)
-        t = measure_step(model, data=data, pipe=pipe, M=M, batch=batch, boundaries=est.boundaries,
-                         schedule=schedule, runs=runs, reduce=reduce)
-        rows.append(dict(config=f"{data}x{pipe}x{M}", data=data, pipe=pipe, M=M,
+    for config in configs:
+        sched, data, pipe, M, width = (config if len(config) == 5
+                                       else (schedule, *config, model.width))
+        sched = sched or schedule
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce))
+        est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
+        bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
+        t = measure_step(m, data=data, pipe=pipe, M=M, batch=batch, boundaries=est.boundaries,
+                         schedule=sched, runs=runs, reduce=reduce)
+        name = (f"{sched}:" if sched != schedule else "") + f"{data}x{pipe}x{M}" + (
+            f"@{width}" if width != model.width else "")
+        rows.append(dict(config=name, schedule=sched, width=width, data=data, pipe=pipe, M=M,
                          boundaries=est.boundaries, bubble=est.bubble_fraction,
                          predicted=est.step_time, compute=est.compute_time,
                          engine=est.engine_time, allreduce=est.allreduce_time,
@@ -261,8 +302,11 @@ def main(argv) -> None:
     if n < 8:
         raise SystemExit(f"bench projection: needs 8 devices, found {n}; on CPU set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=8.")
-    configs = parse_configs(FLAGS.val_configs)
-    for d, p, M in configs:
+    try:
+        configs = parse_val_configs(FLAGS.val_configs, FLAGS.schedule, FLAGS.val_width)
+    except ValueError as e:
+        raise SystemExit(f"bench projection: {e}")
+    for _, d, p, M, _ in configs:
         if d * p > n or FLAGS.val_batch % M or p > FLAGS.val_blocks + 1:
             raise SystemExit(f"bench projection: config {d}x{p}x{M} needs data*pipe <= {n}, M "
                              f"dividing --val_batch={FLAGS.val_batch}, pipe <= layers.")
@@ -273,12 +317,28 @@ def main(argv) -> None:
         load = (float("nan"),) * 3
     print(f"host: {n} x {jax.devices()[0].platform} devices, {os.cpu_count()} cores, load "
           f"average {load[0]:.2f} (timings are noisy when other processes use the cores)")
-    model = Model(FLAGS.val_width, FLAGS.val_blocks)
-    cal = Model(FLAGS.cal_width, FLAGS.val_blocks)
-    hw, info = calibrate(model, cal, configs=parse_configs(FLAGS.cal_configs),
-                         batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
-                         reduce=FLAGS.reduce)
-    print(f"\nvalidation model: {FLAGS.val_blocks} residual Dense({FLAGS.val_width}) blocks + "
+    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce)
+    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce)
+    from jaxhybrid import startup
+    from jaxhybrid.plan import calibration
+    cache_dir = FLAGS.cache_dir or startup.default_cache_dir()
+    stored = None if FLAGS.calibration == "fit" else calibration.load(cache_dir)
+    if stored is None and FLAGS.calibration == "stored":
+        raise SystemExit(f"bench projection: no stored calibration for {calibration.device_key()} "
+                         f"in {cache_dir}; run with --calibration=fit first.")
+    if stored is not None:
+        hw, doc = stored
+        info = {**doc["info"], "stored": str(calibration.path(cache_dir)), "saved": doc["saved"]}
+        print(f"calibration: stored fit of {doc['device']} from {doc['saved']} "
+              f"({calibration.path(cache_dir)}): " + ", ".join(
+                  f"{k}={v:.4g}" for k, v in doc["terms"].items()))
+    else:
+        hw, info = calibrate(model, cal, configs=parse_configs(FLAGS.cal_configs),
+                             batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
+                             reduce=FLAGS.reduce)
+        print(f"calibration stored in {calibration.save(hw, cache_dir, info)}")
+    print(f"\nvalidation model: {FLAGS.val_blocks} residual Dense(width) blocks (width "
+          f"{FLAGS.val_width} unless @width) + "
           f"head, per-worker batch {FLAGS.val_batch}, schedule {FLAGS.schedule}; times in ms "
           f"(held out: none of these configs was used above)")
     rows = validate(model, hw, configs, batch=FLAGS.val_batch, schedule=FLAGS.schedule,

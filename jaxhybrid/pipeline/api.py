@@ -202,6 +202,13 @@ class Pipeline:
         self.state_len = {c: lengths[c] for c in self.state_collections}
         self._cache.clear()
 
+    @property
+    def layer_shapes(self) -> list[dict]:
+        """Per layer (piece, for a split model): {collection: tree of
+        jax.ShapeDtypeStruct}, known after `init` or `pack`."""
+        self._require_vars()
+        return list(self._layer_vars)
+
     def _require_vars(self):
         if self._layer_vars is None:
             raise ValueError("Pipeline: call pipe.init(rng, sample_inputs) or pipe.pack(per_layer) first.")
@@ -230,11 +237,10 @@ class Pipeline:
         return runtime.Engine(tuple(self._stage(k) for k in range(self.num_stages)),
                               self.param_len, self.state_len, self.data, self.num_microbatches)
 
-    # --- variables ------------------------------------------------------------------
-    def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
-        """Initialises every layer (in order, on the first example of `sample_inputs`) and
-        returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
-        (buffer keys: see `jaxhybrid.pipeline.packing`)."""
+    def make_plan(self, sample_inputs: PyTree) -> None:
+        """Takes the planner's decisions (stage boundaries, remat) from the layers'
+        costs on one microbatch of `sample_inputs`; `init` calls it (a second call does
+        nothing), `scripts/train.py` first, to time planning on its own."""
         self._sample = self._microbatch_sample(sample_inputs)
         if self.splitter is not None:
             self.splitter.attach(self)
@@ -242,6 +248,13 @@ class Pipeline:
             plan = self._make_plan(fixed=not self._planner_cuts)
             self._plan, self._needs_plan = plan, False
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
+
+    # --- variables ------------------------------------------------------------------
+    def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
+        """Initialises every layer (in order, on the first example of `sample_inputs`) and
+        returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
+        (buffer keys: see `jaxhybrid.pipeline.packing`)."""
+        self.make_plan(sample_inputs)
         if self.splitter is not None:
             return self.pack(self.splitter.init_variables(rng, sample_inputs))
         x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)

@@ -8,38 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.boundaries import check_boundaries, even_boundaries, stage_ranges  # noqa: F401 (re-exported)
 from jaxhybrid.layers import apply_layer, layer_rng
 
 PyTree = Any
 
 # A stage's remat setting: "none" | "full" | a jax.checkpoint_policies name.
 STAGE_REMAT_CHOICES = ("none", "full")
-
-
-def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
-    """First layer of stages 1..S-1 for the equal-layer-count split (extra layers go to
-    the earlier stages)."""
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    return list(np.cumsum(sizes)[:-1].astype(int))
-
-
-def check_boundaries(boundaries: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    b = [int(x) for x in boundaries]
-    if len(b) != num_stages - 1:
-        raise ValueError(f"boundaries={b} has {len(b)} entries; a {num_stages}-stage pipeline needs "
-                         f"{num_stages - 1} (the first layer index of stages 1..{num_stages - 1}).")
-    if any(x < 1 or x > num_layers - 1 for x in b):
-        raise ValueError(f"boundaries={b} out of range: each must be in [1, {num_layers - 1}] "
-                         f"for {num_layers} layers.")
-    if any(x >= y for x, y in zip(b, b[1:])):
-        raise ValueError(f"boundaries={b} must be strictly increasing (every stage needs >= 1 layer).")
-    return b
-
-
-def stage_ranges(boundaries: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
-    edges = [0, *boundaries, num_layers]
-    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
 def _policy(name: str):

@@ -9,10 +9,11 @@ imports `jaxhybrid.pipeline`.
     p = plan.make_plan(costs, num_stages=4, num_microbatches=8, memory_budget="2GB")
     print(p.summary()); p.plot("plan.png")
 """
+from jaxhybrid.boundaries import even_boundaries, stage_ranges
 from jaxhybrid.plan.costs import (LayerCost, cost_arrays, device_peak, layer_times, profile,
                                   roofline_time)
-from jaxhybrid.plan.partition import (OBJECTIVES, StageCosts, device_grid, equal_split,
-                                      map_devices, partition, stage_costs)
+from jaxhybrid.plan.partitioning import (OBJECTIVES, StageCosts, device_grid, map_devices,
+                                      partition, stage_costs)
 from jaxhybrid.plan.plan import Plan, make_plan, plan_from_config
 from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat, choose_remat_spmd,
                                   recompute_time, spmd_memory, stage_memory)
@@ -22,7 +23,7 @@ from jaxhybrid.plan.burst import BurstPlan, plan_burst
 
 __all__ = [
     "LayerCost", "profile", "cost_arrays", "layer_times", "device_peak", "roofline_time",
-    "partition", "map_devices", "stage_costs", "StageCosts", "equal_split", "device_grid",
+    "partition", "map_devices", "stage_costs", "StageCosts", "even_boundaries", "stage_ranges", "device_grid",
     "OBJECTIVES", "choose_remat", "stage_memory", "recompute_time", "MemoryBudgetError",
     "choose_remat_spmd", "spmd_memory",
     "Plan", "make_plan", "plan_from_config", "Topology", "parse_bandwidth", "parse_bytes",

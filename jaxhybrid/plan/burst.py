@@ -395,42 +395,33 @@ class BurstPlan:
     def plot(self, path: str, title: str | None = None) -> None:
         """PNG: devices (y) x time (x); forward left to right, then backward; each layer a
         bar over its g devices, transfers and all-reduces grey, idle time white."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
-        fig, ax = plt.subplots(figsize=(10, 4))
-        cmap = plt.get_cmap("tab20")
+        from jaxhybrid.schedules import gantt
+        cmap = __import__("matplotlib").colormaps["tab20"]
         t, ms, L = 0.0, 1e3, len(self.widths)
-        prev = self.widths[0]
+        prev, bars = self.widths[0], []
         order = [(l, "f") for l in range(L)] + [(l, "b") for l in reversed(range(L))]
         for l, phase in order:
             g = self.widths[l]
             x = self.transfer_time[l] / 2
             if x > 0:
-                ax.add_patch(Rectangle((t * ms, 0), x * ms, max(g, prev), color="0.6"))
+                bars.append(gantt.Bar(t * ms, x * ms, 0, "0.6", rows=max(g, prev), edge=False))
                 t += x
             dur = self.fwd_time[l] if phase == "f" else self.bwd_time[l]
             for o, gb, fb, bb, _ in (self.branch_groups.get(l) or [[0, g, self.fwd_time[l],
                                                                     self.bwd_time[l], 0]]):
-                ax.add_patch(Rectangle((t * ms, o), (fb if phase == "f" else bb) * ms, gb,
-                                       color=cmap(l % 20), alpha=1.0 if phase == "f" else 0.6,
-                                       ec="k" if l in self.branch_groups else None, lw=0.3))
+                bars.append(gantt.Bar(t * ms, (fb if phase == "f" else bb) * ms, o, cmap(l % 20),
+                                      rows=gb, alpha=1.0 if phase == "f" else 0.6,
+                                      edge=l in self.branch_groups))
             t += dur
             if phase == "b" and self.sync_time[l] > 0:
-                ax.add_patch(Rectangle((t * ms, 0), self.sync_time[l] * ms, g, color="0.3"))
+                bars.append(gantt.Bar(t * ms, self.sync_time[l] * ms, 0, "0.3", rows=g, edge=False))
                 t += self.sync_time[l]
             prev = g
-        ax.set_xlim(0, t * ms)
-        ax.set_ylim(0, self.num_devices)
-        ax.set_xlabel("time (ms): forward, then backward; grey = transfers / all-reduce")
-        ax.set_ylabel("device")
-        ax.set_title(title or f"burst plan: {self.num_devices} devices, batch {self.batch_size}, "
-                     f"iteration {ms * self.iteration_time:.3g} ms, idle "
-                     f"{self.idle_time().sum() / (self.num_devices * t):.0%}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        gantt.draw(path, bars, self.num_devices, gap=0.0, dpi=100,
+                   xlabel="time (ms): forward, then backward; grey = transfers / all-reduce",
+                   title=title or f"burst plan: {self.num_devices} devices, batch "
+                                  f"{self.batch_size}, iteration {ms * self.iteration_time:.3g} "
+                                  f"ms, idle {self.idle_time().sum() / (self.num_devices * t):.0%}")
 
 
 def _evaluate(tab: _Tables, ks: Sequence[int], in_k: int) -> float:

@@ -20,8 +20,8 @@ Memory kept for backward, per microbatch:
 Both equal the output bytes that XLA's `memory_analysis()` reports for a compiled function
 returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py checks it).
 
-Times: measured (median of `repeats` runs after a warm-up, `block_until_ready`) when
-`measure=True`; otherwise a roofline estimate on the local device,
+Times: measured (median, or minimum, of `repeats` runs after a warm-up,
+`block_until_ready`) when `measure=True`; otherwise a roofline estimate on the local device,
     time = max(flops / peak_flops, bytes_accessed / memory_bandwidth),
 with the peak numbers of `device_peak()` (a table by device kind; override with
 `peak_flops=` / `memory_bandwidth=`). The estimate ignores launch overheads and fusion
@@ -30,6 +30,13 @@ quality; it ranks layers, it does not predict wall time to better than ~2x.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import re
 import statistics
 import time
 from typing import Any, Sequence
@@ -144,7 +151,23 @@ def _xla_cost(compiled) -> tuple[float, float]:
     return float(max(ca.get("flops", 0.0), 0.0)), float(max(ca.get("bytes accessed", 0.0), 0.0))
 
 
-def _timed(fn, args, repeats: int) -> float:
+# Compiled only to read XLA's cost analysis (after its HLO passes, fusion included): the
+# backend's code generation may skip its optimisations, which halves the compile time on
+# CPU and leaves FLOPs and bytes unchanged.
+_COST_ONLY = {"xla_backend_optimization_level": 0}
+
+
+def _compile(lowered, run: bool):
+    """`lowered` compiled; optimised machine code only when it will `run`."""
+    if run:
+        return lowered.compile()
+    try:
+        return lowered.compile(compiler_options=_COST_ONLY)
+    except Exception:   # a backend without that option: the ordinary compile
+        return lowered.compile()
+
+
+def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
     import jax
     jax.block_until_ready(fn(*args))   # warm-up (and any lazy allocation)
     runs = []
@@ -152,23 +175,101 @@ def _timed(fn, args, repeats: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t0)
-    return float(statistics.median(runs))
+    return float(min(runs) if reduce == "min" else statistics.median(runs))
 
 
+# --- the on-disk cache -----------------------------------------------------------------
+# Bump when what `profile` computes changes, so old cache entries are not reused.
+COST_FORMAT = 2
+_cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
+
+
+def set_cache_dir(path: str | os.PathLike | None) -> None:
+    """Directory where `profile` keeps its results (in `<path>/costs/`), or None: no
+    disk cache (the default, unless $JAXHYBRID_CACHE_DIR is set). `scripts/train.py`
+    sets it (jaxhybrid.startup)."""
+    global _cache_dir
+    _cache_dir = None if path is None else os.fspath(path)
+
+
+def cache_dir() -> str | None:
+    return _cache_dir
+
+
+def layer_signature(layer) -> str:
+    """What a layer computes, as text: its class (module, name, a hash of the file that
+    defines it, so an edited model is profiled afresh) and its fields (`repr`, object
+    addresses dropped). Two layers with one signature on one input shape cost the same."""
+    cls = type(layer)
+    try:
+        source = hashlib.sha256(pathlib.Path(inspect.getsourcefile(cls)).read_bytes()).hexdigest()[:16]
+    except (TypeError, OSError):
+        source = ""
+    return f"{cls.__module__}.{cls.__qualname__}@{source}:" + re.sub(r" at 0x[0-9a-fA-F]+", "", repr(layer))
+
+
+def _avals_text(tree) -> str:
+    import jax
+    leaves, treedef = jax.tree.flatten(tree)
+    return f"{treedef}|" + ",".join(f"{np.dtype(l.dtype).name}{list(np.shape(l))}" for l in leaves)
+
+
+def _cache_path(directory: str, parts: list) -> pathlib.Path:
+    import jax
+    dev = jax.devices()[0]
+    key = json.dumps([COST_FORMAT, jax.__version__, dev.platform, getattr(dev, "device_kind", ""),
+                      *parts])
+    return pathlib.Path(directory) / "costs" / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+
+def _read_cache(path: pathlib.Path) -> list[LayerCost] | None:
+    try:
+        return [LayerCost.from_dict(d) for d in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):   # missing, or unreadable: profile afresh
+        return None
+
+
+def _write_cache(path: pathlib.Path, costs: list[LayerCost]) -> None:
+    _write_text(path, json.dumps([c.to_dict() for c in costs]))
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    """A cache entry, written atomically (never half-written); a cache that cannot be
+    written costs time, not the run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# --- profiling -----------------------------------------------------------------------
 def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, measure: bool = False,
             repeats: int = 5, rng=None, variables: Sequence[dict] | None = None,
             names: Sequence[str] | None = None, peak_flops: float | None = None,
-            memory_bandwidth: float | None = None) -> list[LayerCost]:
+            memory_bandwidth: float | None = None,
+            cache_dir: str | os.PathLike | None | bool = True,
+            reduce: str = "median") -> list[LayerCost]:
     """Runs `layers` in order on `sample_inputs` (e.g. one microbatch) and returns one
     LayerCost per layer (see the module docstring for what each number means).
 
     variables: per-layer variable dicts to use instead of fresh `init_layer` ones.
     rng: key for init and dropout (default PRNGKey(0)).
+    reduce: "median" or "min" of the `repeats` timed runs (min: steadier on a busy host,
+      where other processes only ever add time).
+    cache_dir: directory of the on-disk cache (True: `cache_dir()`, the one set by
+      `set_cache_dir`; None/False: none). Entries are keyed by every layer's
+      `layer_signature`, the input shapes and dtypes, the options, the device kind and the
+      jax version.
+
+    Without `measure` nothing runs: layers are initialised and differentiated abstractly
+    (`jax.eval_shape`) and only compiled for XLA's cost analysis, once per distinct
+    (layer signature, input shapes) pair.
     """
     import jax
     import jax.numpy as jnp
-
-    from jaxhybrid.layers import apply_layer, init_layer, layer_rng
 
     layers = list(layers)
     if not layers:
@@ -177,80 +278,125 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
         raise ValueError(f"profile: {len(variables)} variable dicts for {len(layers)} layers.")
     if names is not None and len(names) != len(layers):
         raise ValueError(f"profile: {len(names)} names for {len(layers)} layers.")
+    if reduce not in ("median", "min"):
+        raise ValueError(f"profile: reduce={reduce!r}; use 'median' or 'min'.")
     if peak_flops is None or memory_bandwidth is None:
         pf, mb = device_peak()
         peak_flops, memory_bandwidth = peak_flops or pf, memory_bandwidth or mb
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    init_key, drop_key = jax.random.split(rng)
     x = jax.tree.map(jnp.asarray, sample_inputs)
     first = jax.tree.leaves(x)
     if not first or np.ndim(first[0]) == 0:
         raise ValueError("profile: sample_inputs needs at least one array with a batch dimension.")
-    batch = int(np.shape(first[0])[0])
+    names = list(names) if names is not None else [f"{type(l).__name__}_{i}"
+                                                   for i, l in enumerate(layers)]
+    directory = _cache_dir if cache_dir is True else (cache_dir or None)
+    path = None
+    if directory is not None and variables is None and rng is None:
+        path = _cache_path(os.fspath(directory), [
+            [layer_signature(l) for l in layers], _avals_text(x), train, measure,
+            [repeats, reduce] if measure else 0, peak_flops, memory_bandwidth])
+        cached = _read_cache(path)
+        if cached is not None and len(cached) == len(layers):
+            return [dataclasses.replace(c, name=n) for c, n in zip(cached, names)]
+    out = _profile(layers, x, train=train, measure=measure, timing=(repeats, reduce), rng=rng,
+                   variables=variables, names=names, peaks=(peak_flops, memory_bandwidth))
+    if path is not None:
+        _write_cache(path, out)
+    return out
 
+
+def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks) -> list[LayerCost]:
+    import jax
+
+    from jaxhybrid.layers import init_layer, layer_rng
+
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    init_key, drop_key = jax.random.split(rng)
+    batch = int(np.shape(jax.tree.leaves(x)[0])[0])
+    if not measure:   # shapes suffice: nothing is initialised or run
+        x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+    seen: dict = {}
     out: list[LayerCost] = []
     for i, layer in enumerate(layers):
-        if variables is None:
-            lvars, _ = init_layer(layer, jax.random.fold_in(init_key, i), x, train=train)
-        else:
+        init = functools.partial(init_layer, layer, train=train)
+        if variables is not None:
             lvars = dict(variables[i])
-        drop = layer_rng(drop_key, 0, i)
-        params = lvars.get("params", {})
-        state = {k: v for k, v in lvars.items() if k != "params"}
-
-        def fwd(v, xx, _layer=layer, _drop=drop):
-            return apply_layer(_layer, v, xx, train=train, rng=_drop)
-
-        fwd_c = jax.jit(fwd).lower(lvars, x).compile()
-        fwd_flops, fwd_bytes = _xla_cost(fwd_c)
-        y, _ = fwd_c(lvars, x)
-
-        # The function we differentiate: float outputs of the layer as a function of its
-        # params and float inputs; integer leaves ride along as constants.
-        x_leaves, x_def = jax.tree.flatten(x)
-        fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if i > 0 else []
-
-        def f(p, xf, st, _layer=layer, _drop=drop, _leaves=x_leaves, _def=x_def, _fidx=fidx):
-            leaves = list(_leaves)
-            for k, v in zip(_fidx, xf):
-                leaves[k] = v
-            yy, new_st = apply_layer(_layer, {"params": p, **st}, jax.tree.unflatten(_def, leaves),
-                                     train=train, rng=_drop)
-            return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
-
-        xf = [x_leaves[k] for k in fidx]
-        saved = {}
-
-        def residuals(p, xf_, st, _f=f):
-            # Traced (eval_shape), so parameter/state leaves are tracers and can be told
-            # apart from true residuals by identity.
-            yf, vjp_fn, _ = jax.vjp(lambda a, b: _f(a, b, st), p, xf_, has_aux=True)
-            known = jax.tree.leaves((p, st))
-            saved["bytes"] = sum(_nbytes(l) for l in jax.tree.leaves(vjp_fn)
-                                 if not any(l is q for q in known))
-            return yf
-
-        yf_shape = jax.eval_shape(residuals, params, xf, state)
-        bwd_flops = bwd_bytes = bwd_time = 0.0
-        if yf_shape:
-            yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, state), params, xf, has_aux=True)
-            ct = [jnp.ones_like(l) for l in yf]
-            bwd_c = jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct).compile()
-            bwd_flops, bwd_bytes = _xla_cost(bwd_c)
-            if measure:
-                bwd_time = _timed(bwd_c, (vjp_fn, ct), repeats)
-        if measure:
-            fwd_time = _timed(fwd_c, (lvars, x), repeats)
+            if not measure:
+                lvars = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), lvars)
+        elif measure:
+            lvars, _ = jax.jit(init)(jax.random.fold_in(init_key, i), x)
         else:
-            fwd_time = roofline_time(fwd_flops, fwd_bytes, peak_flops, memory_bandwidth)
-            bwd_time = roofline_time(bwd_flops, bwd_bytes, peak_flops, memory_bandwidth)
-
-        out.append(LayerCost(
-            name=names[i] if names is not None else f"{type(layer).__name__}_{i}",
-            batch_size=batch, fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_bytes=fwd_bytes,
-            bwd_bytes=bwd_bytes, param_bytes=_nbytes(params), param_count=_count(params),
-            in_bytes=_nbytes(x), out_bytes=_nbytes(y), saved_bytes=int(saved.get("bytes", 0)),
-            saved_bytes_remat=_nbytes(x), fwd_time=fwd_time, bwd_time=bwd_time,
-            measured=bool(measure), state_bytes=_nbytes(state)))
+            lvars, _ = jax.eval_shape(init, jax.random.fold_in(init_key, i), x)
+        sig = (layer_signature(layer), _avals_text(x), _avals_text(lvars), i > 0)
+        if measure or sig not in seen:
+            seen[sig] = _layer_cost(layer, lvars, x, layer_rng(drop_key, 0, i), i > 0,
+                                    train=train, measure=measure, timing=timing, peaks=peaks)
+        fields, y = seen[sig]
+        out.append(LayerCost(name=names[i], batch_size=batch, measured=bool(measure), **fields))
         x = y
     return out
+
+
+def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks):
+    """(LayerCost fields but name/batch_size/measured, the layer's output) of one layer on
+    `x` with variables `lvars` (arrays when measuring, else ShapeDtypeStructs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxhybrid.layers import apply_layer
+
+    params = lvars.get("params", {})
+    state = {k: v for k, v in lvars.items() if k != "params"}
+
+    def fwd(v, xx):
+        return apply_layer(layer, v, xx, train=train, rng=drop)
+
+    fwd_c = _compile(jax.jit(fwd).lower(lvars, x), measure)
+    fwd_flops, fwd_bytes = _xla_cost(fwd_c)
+    y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
+
+    # The function we differentiate: float outputs of the layer as a function of its
+    # params and float inputs; integer leaves ride along as constants.
+    x_leaves, x_def = jax.tree.flatten(x)
+    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
+
+    def f(p, xf, st, leaves):
+        leaves = list(leaves)
+        for k, v in zip(fidx, xf):
+            leaves[k] = v
+        yy, new_st = apply_layer(layer, {"params": p, **st}, jax.tree.unflatten(x_def, leaves),
+                                 train=train, rng=drop)
+        return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
+
+    xf = [x_leaves[k] for k in fidx]
+    saved = {}
+
+    def forward_vjp(p, xf_, st, leaves):
+        yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, st, leaves), p, xf_, has_aux=True)
+        # Traced, so parameter/state leaves are tracers and can be told apart from
+        # true residuals by identity.
+        known = jax.tree.leaves((p, st))
+        saved["bytes"] = sum(_nbytes(l) for l in jax.tree.leaves(vjp_fn)
+                             if not any(l is q for q in known))
+        return yf, vjp_fn
+
+    # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals.
+    yf, vjp_fn = (jax.jit(forward_vjp) if measure else functools.partial(jax.eval_shape, forward_vjp))(
+        params, xf, state, x_leaves)
+    bwd_flops = bwd_bytes = bwd_time = 0.0
+    if yf:
+        ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
+        bwd_c = _compile(jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct), measure)
+        bwd_flops, bwd_bytes = _xla_cost(bwd_c)
+        if measure:
+            bwd_time = _timed(bwd_c, (vjp_fn, ct), *timing)
+    if measure:
+        fwd_time = _timed(fwd_c, (lvars, x), *timing)
+    else:
+        fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
+        bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
+    return dict(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_bytes=fwd_bytes,
+                bwd_bytes=bwd_bytes, param_bytes=_nbytes(params), param_count=_count(params),
+                in_bytes=_nbytes(x), out_bytes=_nbytes(y), saved_bytes=int(saved.get("bytes", 0)),
+                saved_bytes_remat=_nbytes(x), fwd_time=fwd_time, bwd_time=bwd_time,
+                state_bytes=_nbytes(state)), y

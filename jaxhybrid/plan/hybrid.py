@@ -27,11 +27,12 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 `include_update=False` leaves it out, e.g. to compare with a measured
                 value_and_grad step).
 
-Memory per device: parameter state (`Hardware.param_state_bytes`) + non-param state +
-in-flight microbatches (`Schedule.in_flight`; 1 at pipe = 1, which accumulates one
-microbatch after another) x saved activations + boundary buffers; stages that do not
-fit recompute their layers (keep layer inputs, bwd += fwd); configs that still do not
-fit are infeasible.
+Memory per device: the planner's SPMD model of the engine (`remat.spmd_memory`: padded
+stage buffers, the schedule's stash and inbox slots), with parameter state
+`Hardware.param_state_bytes` per parameter and activations x `bytes_scale`; pipe = 1
+accumulates one microbatch after another (1F1B on one device). Over the usable memory,
+the planner's own recomputation choice (`remat.choose_remat_spmd`, per layer; bwd +=
+the recomputed layers' fwd); configs that still do not fit are infeasible.
 
 Time to accuracy (weak scaling, Pal et al.): global batch B = data * b, steps =
 E(B) * ceil(D / B) with E from `StatEfficiency`, time = steps * step time.
@@ -44,10 +45,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware
-from jaxhybrid.plan.partition import partition
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
+from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
+from jaxhybrid.plan.step_model import lockstep_time
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 
@@ -81,7 +85,7 @@ def cost_fn(costs) -> CostFn:
     return lambda m: [scale_cost(c, m) for c in costs]
 
 
-def layer_times(costs: Sequence[LayerCost], hw: Hardware) -> tuple[np.ndarray, np.ndarray]:
+def times_on_hardware(costs: Sequence[LayerCost], hw: Hardware) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds per layer on `hw`."""
     if hw.uses_measured_times:
         return (np.array([c.fwd_time for c in costs], float),
@@ -186,10 +190,6 @@ class Estimate:
                 for k, v in dataclasses.asdict(self).items()}
 
 
-def _stage_sums(x: np.ndarray, edges: Sequence[int]) -> np.ndarray:
-    return np.array([x[a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
-
-
 def worker_step(costs, hw: Hardware, *, pipe: int, num_microbatches: int, per_worker_batch: int,
                 schedule: str = "1f1b", optimizer_states: int = 1, data: int = 1,
                 boundaries: Sequence[int] | None = None, include_update: bool = True) -> Estimate:
@@ -214,7 +214,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     if K > L:
         est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
         return est
-    fwd, bwd = layer_times(per_layer, hw)
+    fwd, bwd = times_on_hardware(per_layer, hw)
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
     topo = pipeline_topology(hw, pipe) if pipe > 1 else None
     if boundaries is not None and len(boundaries) != K - 1:
@@ -223,69 +223,55 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     if boundaries is None:   # links between stages are modelled for one stage per device
         boundaries = partition(fwd + bwd, K, boundary_bytes=out_bytes if topo and v == 1 else None,
                                topology=topo if v == 1 else None)
-    edges = [0, *[int(x) for x in boundaries], L]
-    est.boundaries = [int(x) for x in boundaries]
-    # pipe = 1 runs microbatches one after another (gradient accumulation): one in flight.
-    inflight = sched.stage_in_flight() if pipe > 1 else np.ones(K, int)
-
-    # Memory, and recomputation for stages that would not fit.
+    cuts = est.boundaries = [int(x) for x in boundaries]
+    # Memory: the planner's SPMD model of the engine (`remat.spmd_memory`) at the
+    # hardware's bytes (parameter state per parameter, activations x bytes_scale); pipe = 1
+    # runs microbatches one after another (gradient accumulation: one in flight, as 1F1B
+    # on one device). Over the budget: the planner's recomputation (`choose_remat_spmd`).
+    mem_sched = sched if pipe > 1 else make_schedule("1f1b", 1, M)
     pstate = hw.param_state_bytes(optimizer_states)
     arr = lambda f: np.array([getattr(c, f) for c in per_layer], float)  # noqa: E731
-    params = _stage_sums(arr("param_count"), edges)
-    state = params * pstate + _stage_sums(arr("state_bytes"), edges)
-    saved = arr("saved_bytes") * hw.bytes_scale
-    saved_remat = arr("saved_bytes_remat") * hw.bytes_scale
-    io = (arr("in_bytes") + arr("out_bytes")) * hw.bytes_scale
-    F, B = _stage_sums(fwd, edges), _stage_sums(bwd, edges)
-    mem, remat = [], []
-    for s, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-        buffers = io[lo] + io[hi - 1]
-        plain = state[s] + inflight[s] * saved[lo:hi].sum() + buffers
-        if plain <= hw.usable_memory / v:   # a device's v stages share its memory
-            mem.append(plain), remat.append(False)
-            continue
-        mem.append(state[s] + inflight[s] * saved_remat[lo:hi].sum() + saved[lo:hi].max() + buffers)
-        remat.append(True)
-        B[s] += F[s]
+    params = stage_sums(arr("param_count"), cuts)
+    bs = hw.bytes_scale
+    engine_costs = [dataclasses.replace(
+        c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
+        saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
+        out_bytes=c.out_bytes * bs) for c in per_layer]
+    factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
+    F, B = stage_sums(fwd, cuts), stage_sums(bwd, cuts)
+    flags = [False] * L
+    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
+    if device > hw.usable_memory:
+        try:
+            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, hw.usable_memory,
+                                      param_state_factor=factor)
+        except MemoryBudgetError:
+            est.reason = (f"needs {device / 1e9:.3g} GB per device > "
+                          f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
+            return est
+        mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
+        B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)
+    remat = [bool(any(flags[a:b])) for a, b in stage_ranges(cuts, L)]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
-    device_mem = np.bincount(sched.stage_device, weights=mem, minlength=pipe)
-    if device_mem.max() > hw.usable_memory:
-        d = int(np.argmax(device_mem))
-        est.reason = (f"device {d} needs {device_mem[d] / 1e9:.3g} GB > "
-                      f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
-        return est
 
     # The lock-step pipeline.
-    work = sched.work(F, B)
-    ticks = _tick_times(work, hw, data)
-    est.compute_time = float(ticks.sum())
-    per_tick_comm = 0.0
+    per_tick_comm = engine = 0.0
     if pipe > 1:
-        nb = out_bytes[np.array(edges[1:-1]) - 1].max()   # padded to the largest boundary
+        nb = out_bytes[np.array(cuts) - 1].max()   # padded to the largest boundary
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
         per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
         device_params = np.bincount(dev, weights=params, minlength=pipe)
         engine = hw.tick_overhead + (device_params.max() * hw.tick_param_bytes / hw.mem_bandwidth
                                      if hw.tick_param_bytes else 0.0)
-        if engine:
-            ticks = _tick_times(work + engine, hw, data)
-    est.engine_time = float(ticks.sum()) - est.compute_time
-    est.transfer_time = per_tick_comm * sched.num_ticks
-    est.pipeline_time = float(ticks.sum() + est.transfer_time)
+    st = lockstep_time(sched, F, B, data=data, compute_slots=hw.compute_slots,
+                       tick_overhead=engine, transfer_per_tick=per_tick_comm)
+    est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
+    est.pipeline_time = st.pipeline
     est.bubble_fraction = sched.bubble_fraction(F, B)
     est.feasible = True
     return est
-
-
-def _tick_times(work: np.ndarray, hw: Hardware, data: int) -> np.ndarray:
-    """Length of each lock-step tick from the [tick, stage] work of one replica: the
-    slowest device, or, with finite `compute_slots`, the work of all `data` replicas'
-    devices spread over the slots if that takes longer."""
-    if math.isfinite(hw.compute_slots):
-        return np.maximum(work.max(axis=1), data * work.sum(axis=1) / hw.compute_slots)
-    return work.max(axis=1)
 
 
 def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
@@ -295,9 +281,8 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
     if not est.feasible:
         return est
     per_layer = costs(est.per_worker_batch // est.num_microbatches)
-    edges = [0, *est.boundaries, len(per_layer)]
     g = np.array([grad_params(c, data, est.per_worker_batch) for c in per_layer])
-    stage_grads = _stage_sums(g, edges)
+    stage_grads = stage_sums(g, est.boundaries)
     if len(stage_grads) != est.pipe:   # virtual stages: a device all-reduces all of its own
         dev = make_schedule(est.schedule, est.pipe, est.num_microbatches).stage_device
         stage_grads = np.bincount(dev, weights=stage_grads, minlength=est.pipe)

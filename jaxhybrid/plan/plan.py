@@ -14,10 +14,12 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
-from jaxhybrid.plan.partition import map_devices, partition, stage_costs
+from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
 from jaxhybrid.plan.remat import (choose_remat, choose_remat_spmd, recompute_time, spmd_memory,
                                   stage_memory)
+from jaxhybrid.plan.step_model import lockstep_time
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -64,8 +66,7 @@ class Plan:
     # --- derived ----------------------------------------------------------------------
     @property
     def stage_ranges(self) -> list[tuple[int, int]]:
-        e = [0, *self.boundaries, self.num_layers]
-        return [(e[s], e[s + 1]) for s in range(self.num_stages)]
+        return stage_ranges(self.boundaries, self.num_layers)
 
     @property
     def stage_time(self) -> np.ndarray:
@@ -87,9 +88,12 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
+        """The schedule's lock-step ticks (`plan.step_model`, the model the projection
+        uses too) with each boundary transfer split over the forward and backward task
+        that cross it, plus the slowest stage's all-reduce."""
         f, b = self._tick_costs()
-        ticks = self.schedule_table().tick_times(fwd_cost=f, bwd_cost=b).sum()
-        return float(ticks + max(self.stage_allreduce_time, default=0.0))
+        return lockstep_time(self.schedule_table(), f, b,
+                             allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
     @property
     def bubble_fraction(self) -> float:
@@ -247,11 +251,10 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
             best = (value, cuts, order, sc)
         if not remap or S * data == 1:
             break
-        e = [0, *cuts, L]
         new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
                           stage_times=sc.compute,
-                          stage_param_bytes=[sum(c.param_bytes for c in costs[e[s]:e[s + 1]])
-                                             for s in range(S)], num_microbatches=M)
+                          stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
+                          num_microbatches=M)
         if new == order:
             break
         order = new
@@ -263,9 +266,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     elif budget is not None:
         remat = choose_remat(costs, cuts, sched.stage_in_flight(), budget,
                              param_state_factor=param_state_factor)
-    e = [0, *cuts, L]
-    fwd = np.array([sum(c.fwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
-    bwd = np.array([sum(c.bwd_time for c in costs[e[s]:e[s + 1]]) for s in range(S)])
+    fwd = stage_sums([c.fwd_time for c in costs], cuts)
+    bwd = stage_sums([c.bwd_time for c in costs], cuts)
     bwd = bwd + recompute_time(costs, cuts, remat)
     if memory_model == "spmd":
         mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)

@@ -54,19 +54,13 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.boundaries import stage_ranges
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.topology import fmt_bytes, parse_bytes
 
 
 class MemoryBudgetError(ValueError):
     """No recomputation choice fits a stage into the memory budget."""
-
-
-def _stages(boundaries: Sequence[int], L: int) -> list[tuple[int, int]]:
-    edges = [0, *[int(b) for b in boundaries], L]
-    if any(edges[i] >= edges[i + 1] for i in range(len(edges) - 1)):
-        raise ValueError(f"boundaries {list(boundaries)} must be strictly increasing within 1..{L - 1}.")
-    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
 def _in_flight(in_flight, S: int) -> np.ndarray:
@@ -82,7 +76,7 @@ def stage_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], in_fligh
                  remat: Sequence[bool] | None = None, *, param_state_factor: float = 4) -> np.ndarray:
     """Bytes per device of each stage under the model in the module docstring."""
     L = len(costs)
-    ranges = _stages(boundaries, L)
+    ranges = stage_ranges(boundaries, L)
     f = _in_flight(in_flight, len(ranges))
     r = np.zeros(L, bool) if remat is None else np.asarray(remat, bool)
     if r.shape != (L,):
@@ -138,7 +132,7 @@ def choose_remat(costs: Sequence[LayerCost], boundaries: Sequence[int], in_fligh
     not fit even recomputing every layer that would save memory."""
     budget = parse_bytes(memory_budget)
     L = len(costs)
-    ranges = _stages(boundaries, L)
+    ranges = stage_ranges(boundaries, L)
     f = _in_flight(in_flight, len(ranges))
     remat = [False] * L
     worst = None   # (overage, stage, full-recompute bytes)
@@ -172,7 +166,7 @@ def recompute_time(costs: Sequence[LayerCost], boundaries: Sequence[int],
                    remat: Sequence[bool]) -> np.ndarray:
     """Extra backward time per stage from recomputation (one forward per remat layer)."""
     return np.array([sum(costs[i].fwd_time for i in range(a, b) if remat[i])
-                     for a, b in _stages(boundaries, len(costs))])
+                     for a, b in stage_ranges(boundaries, len(costs))])
 
 
 # --- SPMD runtime model ----------------------------------------------------------------
@@ -210,7 +204,7 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
     like this one; the device bytes of the real program, >= the per-stage maximum).
     `schedule`: a `jaxhybrid.schedules.Schedule` (its slot counts size the buffers)."""
     L = len(costs)
-    ranges = _stages(boundaries, L)
+    ranges = stage_ranges(boundaries, L)
     if schedule.num_stages != len(ranges):
         raise ValueError(f"spmd_memory: schedule has {schedule.num_stages} stages, boundaries "
                          f"give {len(ranges)}.")
@@ -282,7 +276,7 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     `max_caps` of them, spread over the range when there are more)."""
     budget = parse_bytes(memory_budget)
     L = len(costs)
-    ranges = _stages(boundaries, L)
+    ranges = stage_ranges(boundaries, L)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
     full = [c.saved_bytes > c.saved_bytes_remat for c in costs]
     full_dev = spmd_memory(costs, boundaries, schedule, full, param_state_factor=param_state_factor)

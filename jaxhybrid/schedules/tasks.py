@@ -244,36 +244,27 @@ class Schedule:
              title: str | None = None) -> None:
         """PNG Gantt chart, tick widths from the given per-stage costs (the one plotter:
         plans draw through it too)."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from jaxhybrid.schedules import gantt
         cost = self.task_costs(fwd_cost, bwd_cost, weight_cost,
                                0.1 * float(np.mean(fwd_cost)))   # U drawn thin
         color = {TaskType.F: "tab:blue", TaskType.B: "tab:orange", TaskType.W: "tab:green",
                  TaskType.U: "tab:gray"}
         starts = np.concatenate([[0.0], np.cumsum(self.tick_times(fwd_cost, bwd_cost,
                                                                   weight_cost))])
-        fig, ax = plt.subplots(figsize=(min(40, max(6, self.num_ticks * 0.3)),
-                                        0.5 * self.num_devices + 1.3))
         offset = np.zeros((self.num_ticks, self.num_devices))
+        bars = []
         for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
             c = cost[t.kind][t.stage]
-            x = starts[t.tick] + offset[t.tick, t.device]
+            bars.append(gantt.Bar(starts[t.tick] + offset[t.tick, t.device], c, t.device,
+                                  color[t.kind], label="" if t.kind == TaskType.U
+                                  else str(t.microbatch),
+                                  alpha=1.0 if t.stage < self.num_devices else 0.65))
             offset[t.tick, t.device] += c
-            ax.barh(t.device, c, left=x, color=color[t.kind], edgecolor="k", linewidth=0.4,
-                    alpha=1.0 if t.stage < self.num_devices else 0.65)
-            if t.kind != TaskType.U:
-                ax.text(x + c / 2, t.device, str(t.microbatch), ha="center", va="center",
-                        fontsize=6)
-        ax.set_yticks(range(self.num_devices), [f"device {d}" for d in range(self.num_devices)])
-        ax.invert_yaxis()
-        ax.set_xlabel("time (F blue, B orange, W green, U gray; later virtual stages lighter)")
-        ax.set_title(title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
-                              f"M={self.num_microbatches}  bubble="
-                              f"{self.bubble_fraction(fwd_cost, bwd_cost, weight_cost):.3f}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        gantt.draw(path, bars, self.num_devices, width=min(40, max(6, self.num_ticks * 0.3)),
+                   xlabel="time (F blue, B orange, W green, U gray; later virtual stages lighter)",
+                   title=title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
+                                  f"M={self.num_microbatches}  bubble="
+                                  f"{self.bubble_fraction(fwd_cost, bwd_cost, weight_cost):.3f}")
 
 
 def _colour(intervals: list, strict: bool) -> tuple[dict, int]:

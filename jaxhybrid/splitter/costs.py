@@ -7,6 +7,11 @@ piece's forward and forward+vjp are only lowered to HLO, and XLA's HLO cost anal
 the unoptimised module gives FLOPs and bytes (no compilation); backward = the
 difference. Residual memory is estimated as the floating-point values the piece computes
 (what a vjp may keep), the recompute variant as its inputs, as in `plan.costs`.
+
+With a cache directory set (`plan.costs.set_cache_dir`, as `scripts/train.py` does), each
+distinct piece's analysis is kept on disk, keyed by its operations (with their
+parameters), shapes and dtypes, the device kind and the jax version: a second run of
+the same model analyses nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import json
+import re
+
+from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
 
 
@@ -60,6 +69,14 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         sig = (tuple(diff), tuple((a.shape, str(a.dtype)) for a in avals),
                tuple((u.op.name, u.length, tuple((prog.avals[i].shape, str(prog.avals[i].dtype))
                                                  for i in (*u.ins, *u.outs))) for u in seg.units))
+        disk = None
+        if sig not in seen and plan_costs.cache_dir() is not None:
+            disk = plan_costs._cache_path(plan_costs.cache_dir(), ["piece", repr(sig), [
+                _unit_text(u) for u in seg.units], [(prog.avals[i].shape, str(prog.avals[i].dtype)) for i in outs]])
+            try:
+                seen[sig] = tuple(json.loads(disk.read_text()))
+            except (OSError, ValueError):
+                pass
         if sig not in seen:
             f_flops, f_bytes = _xla_cost(jax.jit(fwd).lower(*avals))
             b_flops = b_bytes = 0.0
@@ -67,6 +84,8 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                 t_flops, t_bytes = _xla_cost(jax.jit(fwd_bwd).lower(*avals))
                 b_flops, b_bytes = max(t_flops - f_flops, 0.0), max(t_bytes - f_bytes, 0.0)
             seen[sig] = (f_flops, f_bytes, b_flops, b_bytes)
+            if disk is not None:
+                plan_costs._write_text(disk, json.dumps(seen[sig]))
         f_flops, f_bytes, b_flops, b_bytes = seen[sig]
         nb = lambda ids: int(sum(prog.nbytes(i) for i in ids))
         params = [i for key, i in seg.reads.items() if split.var_name(key)[0] == "params"]
@@ -82,3 +101,10 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             bwd_time=roofline_time(b_flops, b_bytes, peak_flops, bandwidth),
             measured=False, state_bytes=nb(state)))
     return out
+
+
+def _unit_text(unit) -> str:
+    """A unit's operation with its parameters (sub-programs printed, object addresses
+    dropped): part of a piece's on-disk cache key."""
+    params = sorted(unit.op.eqn.params.items())
+    return f"{unit.op.name}x{unit.length}:" + re.sub(r" at 0x[0-9a-fA-F]+", "", repr(params))

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.boundaries import check_boundaries, stage_ranges
 from jaxhybrid.plan.topology import Topology
 
 OBJECTIVES = ("bottleneck", "alpa")
@@ -212,8 +213,8 @@ class _Solver:
         return float(F1[L]), cuts[::-1]
 
     def costs_of(self, boundaries) -> np.ndarray:
-        edges = [0, *boundaries, self.m.L]
-        return np.array([self.m.stage_cost(s, edges[s], edges[s + 1]) for s in range(self.m.S)])
+        return np.array([self.m.stage_cost(s, a, b)
+                         for s, (a, b) in enumerate(stage_ranges(boundaries, self.m.L))])
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
         """Sorted distinct stage-cost values in (lo, hi]."""
@@ -312,10 +313,10 @@ def stage_costs(layer_times, boundaries: Sequence[int], *, boundary_bytes=None,
     minimises for objective="bottleneck")."""
     t = _times(layer_times)
     S = len(boundaries) + 1
-    edges = [0, *[int(b) for b in boundaries], t.size]
-    if any(edges[i] >= edges[i + 1] for i in range(S)):
-        raise ValueError(f"stage_costs: boundaries {list(boundaries)} must be strictly increasing "
-                         f"within 1..{t.size - 1}.")
+    try:
+        edges = [0, *check_boundaries(boundaries, t.size), t.size]
+    except ValueError as e:
+        raise ValueError(f"stage_costs: {e}") from None
     model = _Model(t, S, boundary_bytes, topology, device_order, param_bytes, data, num_microbatches)
     compute = np.array([model.P[edges[s + 1]] - model.P[edges[s]] for s in range(S)])
     transfer = np.array([model.T[s, edges[s + 1]] for s in range(S)])
@@ -325,13 +326,6 @@ def stage_costs(layer_times, boundaries: Sequence[int], *, boundary_bytes=None,
             nb = model.Q[edges[s + 1]] - model.Q[edges[s]]
             allreduce[s] = (model.ar[s, 0] * nb + model.ar[s, 1]) * model.M if nb > 0 else 0.0
     return StageCosts(compute, transfer, allreduce, model.M)
-
-
-def equal_split(num_layers: int, num_stages: int) -> list[int]:
-    """The equal-layer-count split (the baseline the planner must never lose to)."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"equal_split: need 1 <= num_stages <= num_layers, got {num_stages}, {num_layers}.")
-    return [int(round(num_layers * s / num_stages)) for s in range(1, num_stages)]
 
 
 # --- device mapping --------------------------------------------------------------------

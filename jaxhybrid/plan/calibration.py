@@ -1,0 +1,68 @@
+"""Engine-cost calibration, fitted once per device kind, stored and reused.
+
+The step-time model (`jaxhybrid.plan.step_model`) needs a few terms that no datasheet
+gives: how many simulated devices compute at once (`compute_slots`), the engine's own
+cost per device per tick (`tick_overhead`, `tick_param_bytes`) and the streaming memory
+bandwidth. `jaxhybrid.bench.projection_bench.calibrate` fits them on this host; `save`
+keeps them in `<cache dir>/calibration/<device key>.json` and `load` gives them back as
+a `Hardware`, so the projection, the planner and later benchmark runs use one fit.
+
+The device key names what the terms depend on: platform, device kind, device count and,
+for CPU devices (simulated devices share the host's cores), the number of cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import time
+
+from jaxhybrid.plan.hardware import Hardware, measured_device
+
+# The fitted terms (Hardware fields) a calibration stores.
+FIELDS = ("mem_bandwidth", "compute_slots", "tick_overhead", "tick_param_bytes",
+          "devices_per_node")
+FORMAT = 1
+
+
+def device_key(devices=None) -> str:
+    """e.g. "cpu-cpu-8dev-2cores", "gpu-NVIDIA_H100_80GB_HBM3-8dev"."""
+    import jax
+    devices = list(devices or jax.devices())
+    d = devices[0]
+    key = f"{d.platform}-{getattr(d, 'device_kind', '')}-{len(devices)}dev"
+    if d.platform == "cpu":
+        key += f"-{os.cpu_count()}cores"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+
+
+def path(cache_dir: str | os.PathLike, key: str | None = None) -> pathlib.Path:
+    return pathlib.Path(cache_dir) / "calibration" / f"{key or device_key()}.json"
+
+
+def save(hw: Hardware, cache_dir: str | os.PathLike, info: dict | None = None,
+         key: str | None = None) -> pathlib.Path:
+    """Writes `hw`'s fitted terms (and `info`, e.g. the fit's residuals) atomically."""
+    p = path(cache_dir, key)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    doc = dict(format=FORMAT, device=key or device_key(), saved=time.strftime("%Y-%m-%d %H:%M:%S"),
+               terms={f: getattr(hw, f) for f in FIELDS}, description=hw.description,
+               info=info or {})
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=float))
+    os.replace(tmp, p)
+    return p
+
+
+def load(cache_dir: str | os.PathLike, key: str | None = None) -> tuple[Hardware, dict] | None:
+    """(the stored calibration as a `measured_device`, its document), or None when this
+    device kind has none (or it is unreadable, or of another format)."""
+    try:
+        doc = json.loads(path(cache_dir, key).read_text())
+    except (OSError, ValueError):
+        return None
+    if doc.get("format") != FORMAT or set(doc.get("terms", {})) != set(FIELDS):
+        return None
+    return measured_device(f"calibrated:{doc['device']}", description=doc.get("description", ""),
+                           **doc["terms"]), doc

@@ -1,0 +1,139 @@
+"""Fast start: the on-disk profile cache, one cost analysis per distinct layer, jax's
+persistent compilation cache switch, the start-up phase clock, and the host-built
+weight-decay mask."""
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import checkpoint, startup, train
+from jaxhybrid import pipeline as jp
+from jaxhybrid.plan import costs as costs_mod
+from jaxhybrid.plan import profile
+
+
+class Dense(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(self.features)(x))
+
+
+LAYERS = [Dense(16), Dense(16), Dense(16), Dense(8)]
+X = np.ones((4, 16), np.float32)
+
+
+def _count_cost_analyses(monkeypatch):
+    calls = []
+    real = costs_mod._layer_cost
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(costs_mod, "_layer_cost", counted)
+    return calls
+
+
+def test_one_cost_analysis_per_distinct_layer_and_input(monkeypatch):
+    calls = _count_cost_analyses(monkeypatch)
+    costs = profile(LAYERS, X, cache_dir=None)
+    # Layer 0 (no input gradient), layers 1 and 2 (same layer, same input: once), layer 3.
+    assert len(calls) == 3
+    assert costs[1].fwd_flops == costs[2].fwd_flops and costs[1].name != costs[2].name
+    assert [c.name for c in costs] == ["Dense_0", "Dense_1", "Dense_2", "Dense_3"]
+
+
+def test_profile_disk_cache_round_trip(tmp_path, monkeypatch):
+    first = profile(LAYERS, X, cache_dir=tmp_path)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    calls = _count_cost_analyses(monkeypatch)
+    again = profile(LAYERS, X, cache_dir=tmp_path, names=list("abcd"))
+    assert not calls                                   # read back, nothing analysed
+    assert [c.name for c in again] == list("abcd")
+    assert [c.fwd_flops for c in again] == [c.fwd_flops for c in first]
+    # Another input shape or another layer is another entry.
+    profile(LAYERS, np.ones((4, 8), np.float32), cache_dir=tmp_path)
+    profile([Dense(32), *LAYERS[1:]], X, cache_dir=tmp_path)
+    assert len(calls) == 3 + 4 and len(list((tmp_path / "costs").glob("*.json"))) == 3
+
+
+def test_unreadable_cache_entry_is_profiled_afresh(tmp_path):
+    profile(LAYERS, X, cache_dir=tmp_path)
+    (entry,) = (tmp_path / "costs").glob("*.json")
+    entry.write_text("{half written")
+    assert len(profile(LAYERS, X, cache_dir=tmp_path)) == 4
+    assert entry.read_text().startswith("[")
+
+
+def test_enable_caches_turns_both_on_and_off(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        assert startup.enable_caches(tmp_path / "c") == str(tmp_path / "c")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c" / "xla")
+        assert costs_mod.cache_dir() == str(tmp_path / "c")
+        assert startup.enable_caches("") is None
+        assert costs_mod.cache_dir() is None and jax.config.jax_compilation_cache_dir is None
+        (tmp_path / "file").write_text("")
+        with pytest.raises(ValueError, match="--cache_dir"):
+            startup.enable_caches(tmp_path / "file")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        costs_mod.set_cache_dir(None)
+
+
+def test_phases_move_compile_time_out_of_other_phases():
+    phases = startup.Phases(launched=time.time() - 1.0)
+    with phases("init"):
+        jax.jit(lambda x: x * 3 + 1).lower(np.ones(7, np.float32)).compile()
+    with phases("plan", split_compile=False):
+        jax.jit(lambda x: x * 5 - 2).lower(np.ones(7, np.float32)).compile()
+    assert phases.seconds["compile"] > 0 and set(phases.seconds) == {"init", "compile", "plan"}
+    line = phases.summary()
+    assert line.startswith("start-up: init") and "launch -> first step done" in line
+    assert float(line.rsplit(" ", 2)[-2]) >= 1.0
+
+
+def test_weight_decay_mask_from_shapes_matches_the_unpacked_parameters():
+    mesh = jh.make_mesh(data=2, pipe=2)
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, boundaries=[2])
+    variables = pipe.init(jax.random.key(0), np.ones((8, 16), np.float32))
+    mask = train.weight_decay_mask(pipe, variables)
+    per_layer = checkpoint.unpack_like_params(pipe, variables["params"])
+    expect = checkpoint.pack_like_params(pipe, [
+        jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), t) for t in per_layer])
+    assert jax.tree.structure(mask) == jax.tree.structure(expect)
+    for got, want in zip(jax.tree.leaves(mask), jax.tree.leaves(expect)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert 0 < np.asarray(got).sum() < np.asarray(got).size   # kernels 1, biases 0
+
+
+class Tower(nn.Module):
+    """One module the splitter cuts into pieces."""
+    @nn.compact
+    def __call__(self, x):
+        for width in (16, 16, 16, 8):
+            x = nn.relu(nn.Dense(width)(x))
+        return x
+
+
+def test_split_model_piece_costs_cached_on_disk(tmp_path, monkeypatch):
+    from jaxhybrid.splitter import costs as piece_mod
+    from jaxhybrid.splitter.model import SplitModel
+    split = SplitModel(Tower(), X, min_pieces=4)
+    try:
+        costs_mod.set_cache_dir(tmp_path)
+        first = piece_mod.piece_costs(split, X)
+        analysed = []
+        real = piece_mod._xla_cost
+        monkeypatch.setattr(piece_mod, "_xla_cost", lambda c: analysed.append(1) or real(c))
+        again = piece_mod.piece_costs(split, X)
+    finally:
+        costs_mod.set_cache_dir(None)
+    assert not analysed and len(list((tmp_path / "costs").glob("*.json"))) >= 2
+    assert [c.fwd_flops for c in again] == [c.fwd_flops for c in first]
+    assert [c.bwd_bytes for c in again] == [c.bwd_bytes for c in first]
+    assert piece_mod.piece_costs(split, X)[0].fwd_flops > 0 and analysed   # no cache: analysed
