@@ -188,6 +188,26 @@ def _sync(bufs, groups, is_params: bool):
     return bufs
 
 
+def copy_weights(pipe, split: SplitModel, params: dict) -> dict | None:
+    """Packed buffers like `params`, 1/(number of copies) at every element of a variable
+    held by several pieces, 1 elsewhere; None when no variable has copies. Sums over the
+    packed buffers weighted by them count each model variable once (the global gradient
+    norm of the model, for clipping), although every copy holds the summed gradient."""
+    groups = _groups(pipe, split, "params")
+    if not groups:
+        return None
+    w = {k: np.ones(np.shape(v), np.float32) for k, v in params.items()}
+    for j, copies, _ in groups:
+        count = np.zeros(split.adapter.avals[j].shape, np.float32)
+        for key, _, _ in copies:
+            count[slice(key[1], key[2])] += 1.0   # slice(None, None): the whole variable
+        for key, (row, k, off, shape), _ in copies:
+            part = 1.0 / count[slice(key[1], key[2])]
+            w[k][row, off:off + part.size] = part.reshape(-1)
+    return {k: jax.device_put(v.astype(params[k].dtype), params[k].sharding)
+            for k, v in w.items()}
+
+
 def sync_packed(pipe, split: SplitModel, grads: dict, new_vars: dict):
     """Sums tied parameters' gradients into every copy; copies state from its writer."""
     cache = pipe._cache.setdefault("splitter_sync", {})
