@@ -2,16 +2,16 @@
 splits it; the run follows a single-device optax loop over the unsplit model (tied
 embedding: its gradient summed, counted once by gradient clipping); the four built-in
 models train as single modules; config mistakes fail in one line."""
-import pathlib
 import json
+import pathlib
+import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from jaxhybrid import data, models, train
+from jaxhybrid import checkpoint, data, models, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.config_flags import load_config
 
@@ -26,27 +26,38 @@ def module_config(**overrides):
         "train.eval_steps": 1, "checkpoint.every": 0, **overrides})
 
 
+def train_capturing_run(config, workdir, monkeypatch):
+    """train_and_evaluate, returning (final metrics, the Run it prepared)."""
+    runs, prepare = [], train.prepare
+    monkeypatch.setattr(train, "prepare", lambda *a, **k: runs.append(prepare(*a, **k)) or runs[-1])
+    return train.train_and_evaluate(config, workdir), runs[0]
+
+
+def initial_variables(run, config):
+    """The model's own variables the run started from (the split is already made), and
+    the run's training rng."""
+    init_rng, train_rng = jax.random.split(jax.random.key(config.train.seed))
+    return run.pipe.unpack(run.pipe.init(init_rng, run.sample_inputs)), train_rng
+
+
 def records(workdir):
     lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
-def test_module_run_follows_the_unsplit_model(tmp_path):
+def test_module_run_follows_the_unsplit_model(tmp_path, monkeypatch):
     # SGD (not scale-invariant like Adam) with a clip that triggers, weight decay and
     # dropout: every step's loss and gradient norm must match a plain optax loop over
     # model.apply on one device, started from the same variables.
     config = module_config(**{"train.optimizer": "sgd", "train.grad_clip_norm": 0.5,
                               "train.learning_rate": 0.5, "train.weight_decay": 0.01})
-    final = train.train_and_evaluate(config, tmp_path)
+    final, run = train_capturing_run(config, tmp_path, monkeypatch)
     got = records(tmp_path)
 
     t = config.train
-    run = train.prepare(config)
     model, spec = run.spec.module, run.spec
-    init_rng, train_rng = jax.random.split(jax.random.key(t.seed))
-    pipe = run.pipe
-    native = pipe.unpack(pipe.init(init_rng, run.sample_inputs))
-    assert len(pipe.layers) >= 2 and pipe.splitter.split.shared_variables(), \
+    native, train_rng = initial_variables(run, config)
+    assert len(run.pipe.layers) >= 2 and run.pipe.splitter.split.shared_variables(), \
         "the tied embedding is held by two pieces"
     params, rest = native["params"], {k: v for k, v in native.items() if k != "params"}
     decay = jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), params)
@@ -65,6 +76,28 @@ def test_module_run_follows_the_unsplit_model(tmp_path):
         params = optax.apply_updates(params, updates)
         assert record["grad_norm"] > t.grad_clip_norm        # the clip was active
     assert final["step"] == t.steps
+    # Checkpoints hold the model's own variable tree (as model.init returns it).
+    packed = run.pipe.pack(native)
+    portable = checkpoint._portable(run.pipe, {"variables": packed, "opt_state": ()}, host=True)
+    (entry,) = portable["layers"]
+    assert jax.tree.structure(entry["variables"]) == jax.tree.structure(native)
+    for a, b in zip(jax.tree.leaves(entry["variables"]), jax.tree.leaves(native)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_module_checkpoint_resumes_on_another_layout(tmp_path):
+    # Saved at step 2 on data=2 x pipe=2 (M=2); resumed on data=4 x pipe=1 (M=1): the
+    # same 4 microbatches of 2 per step (same dropout keys), other cuts and packing.
+    common = {"train.steps": 4, "checkpoint.every": 2}
+    train.train_and_evaluate(module_config(**common), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    train.train_and_evaluate(module_config(**common, **{
+        "mesh.data": 4, "mesh.pipe": 1, "pipeline.num_microbatches": 1}), tmp_path / "b")
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["train_loss"] for r in b[2:]],
+                               [r["train_loss"] for r in a[2:]], rtol=0, atol=1e-4)
 
 
 # The four built-in models as ONE module each, config from the layer-list config's recipe.
@@ -72,7 +105,7 @@ FOUR = {"gpt": {}, "inception_v3": {}, "gnmt": {}, "biglstm": {"num_sampled": 0}
 
 
 @pytest.mark.parametrize("name", sorted(FOUR))
-def test_built_in_models_train_as_single_modules(tmp_path, name):
+def test_built_in_models_train_as_single_modules(tmp_path, monkeypatch, name):
     spec = models.get_model(name, "tiny", **FOUR[name])
     dataset, options = data.model_options(spec)     # the dataset the layer list trains on
     options.update({"stdlib_text": {"max_bytes": 20_000}, "digits": {},
@@ -81,13 +114,11 @@ def test_built_in_models_train_as_single_modules(tmp_path, name):
     with config.unlocked():
         config.model.kwargs = {"name": name, "size": "tiny", **FOUR[name]}
         config.data.options = options
-    final = train.train_and_evaluate(config, tmp_path)
+    final, run = train_capturing_run(config, tmp_path, monkeypatch)
     assert final["step"] == 2 and np.isfinite(final["train_loss"]) and final["eval_loss"] > 0
     # The first step trained the unsplit model's loss at the initial variables.
-    run = train.prepare(config)
     assert run.spec.module is not None and run.pipe.splitter is not None
-    init_rng, train_rng = jax.random.split(jax.random.key(config.train.seed))
-    native = run.pipe.unpack(run.pipe.init(init_rng, run.sample_inputs))
+    native, train_rng = initial_variables(run, config)
     x, y = next(run.train_batches())
     loss, _, _ = jp.reference_value_and_grad([run.spec.module], [native], run.spec.loss_fn, x, y,
                                              data=2, num_microbatches=2,

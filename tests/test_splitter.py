@@ -415,3 +415,16 @@ def test_errors():
         pipe.pack({"params": native["params"]["Embed_0"]})
     with pytest.raises(ValueError, match="call pipe.init"):
         jp.Pipeline(model, mesh=mesh).pack(native)
+
+
+# --- split quality ------------------------------------------------------------------
+def test_gpt_as_one_module_splits_as_well_as_its_layer_list():
+    # GPT tiny, tied embeddings, 6 blocks (the list: embedding | 6 blocks | head = 8
+    # layers): the slowest stage of the automatic split, costed by XLA cost analysis of
+    # the lowered pieces, is within 5% of the best split of the hand-made list.
+    from jaxhybrid.splitter.quality import compare, quality_cases
+    (_, model, layers, x), = quality_cases(["gpt6"])
+    rows = compare(model, layers, x, stages=(4, 8))
+    assert [r["stages"] for r in rows] == [4, 8]
+    for r in rows:
+        assert r["ratio"] <= 1.05, r

@@ -222,3 +222,30 @@ def sync_packed(pipe, split: SplitModel, grads: dict, new_vars: dict):
         if cache[c]:
             new_vars = {**new_vars, c: cache[c](new_vars[c])}
     return grads, new_vars
+
+
+# --- checkpoints in the model's own variable tree ------------------------------------
+def holds_model_tree(pipe) -> bool:
+    """Does `pipe` checkpoint one linen model's own tree (instead of per-piece trees)?"""
+    return pipe.splitter is not None and pipe.splitter.split.adapter.kind == "linen"
+
+
+def to_model_entries(pipe, entries: list) -> list:
+    """Per-piece checkpoint entries [{"variables", "opt": [slot trees]}] -> one entry in
+    the model's own tree (variables as model.init returns them, each optimizer slot like
+    its "params"), so a checkpoint does not depend on where the model was cut."""
+    split = pipe.splitter.split
+    variables = split.from_layer_vars([e["variables"] for e in entries])
+    opt = [split.from_layer_vars([{"params": e["opt"][k]} for e in entries])["params"]
+           for k in range(len(entries[0]["opt"]))]
+    return [{"variables": variables, "opt": opt}]
+
+
+def from_model_entries(pipe, entries: list) -> list:
+    """Inverse of `to_model_entries` for this pipeline's pieces."""
+    split = pipe.splitter.split
+    (entry,) = entries
+    variables = split.to_layer_vars(entry["variables"])
+    slots = [split.to_layer_vars({**entry["variables"], "params": slot}) for slot in entry["opt"]]
+    return [{"variables": v, "opt": [slot[p].get("params", {}) for slot in slots]}
+            for p, v in enumerate(variables)]
