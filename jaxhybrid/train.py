@@ -384,9 +384,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         pipe = run.pipe
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
     if main:
-        logging.info("model %s/%s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
-                     "%s\n%s", config.model.module or config.model.name,
-                     config.model.size, pipe.data, pipe.num_stages,
+        logging.info("model %s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
+                     "%s\n%s", config.model.module or f"{config.model.name}/{config.model.size}",
+                     pipe.data, pipe.num_stages,
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
     masks = (decay_mask, norm_weights(pipe, variables))
