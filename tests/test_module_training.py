@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jaxhybrid import checkpoint, data, models, train
 from jaxhybrid import pipeline as jp
@@ -147,3 +148,36 @@ def test_module_config_mistakes_fail_in_one_line(tmp_path, overrides, message):
         train.prepare(config)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+class NnxClassifier(nnx.Module):
+    """An NNX model named by import path ("test_module_training:NnxClassifier")."""
+    def __init__(self, hidden: int = 16, *, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.inp = nnx.Linear(8 * 8 * 3, hidden, rngs=rngs)
+        self.bn = nnx.BatchNorm(hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.bn(self.inp(x.reshape(x.shape[0], -1))))
+        return self.out(h)
+
+
+def test_an_nnx_module_trains_from_a_config(tmp_path, monkeypatch):
+    config = module_config(**{"train.steps": 2, "model.module":
+                              "test_module_training:NnxClassifier", "model.loss":
+                              "classification", "data.name": "digits"})
+    with config.unlocked():
+        config.model.kwargs = {"hidden": 16}
+        config.data.options = {"image_size": 8}
+    final, run = train_capturing_run(config, tmp_path, monkeypatch)
+    assert final["step"] == 2 and np.isfinite(final["train_loss"]) and final["eval_accuracy"] >= 0
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    # Step 1's loss: the unsplit model in training mode (BatchNorm on batch statistics)
+    # on the 4 microbatches of 2 rows, from the initial state.
+    state, _ = initial_variables(run, config)
+    model = nnx.merge(nnx.graphdef(run.spec.module), jax.tree.map(jax.numpy.asarray, state))
+    model.set_attributes(use_running_average=False, raise_if_not_found=False)
+    x, y = next(run.train_batches())
+    want = np.mean([float(run.spec.loss_fn(model(x[i:i + 2]), y[i:i + 2])) for i in range(0, 8, 2)])
+    np.testing.assert_allclose(records(tmp_path)[0]["train_loss"], want, rtol=2e-5)
