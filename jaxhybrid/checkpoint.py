@@ -16,6 +16,11 @@ finished writing it):
                                 "opt_rest": [non-parameter optimizer leaves]}
     <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout
 
+A model given to the pipeline as one linen module (split by `jaxhybrid.splitter`) is
+saved as one "layer" holding the model's own variable tree (as `model.init` returns it)
+and optimizer slots shaped like its "params", so the checkpoint does not depend on the
+cuts either, and the model's own code can read it.
+
 Every layer's leaf is saved spread over all devices of the mesh (split along its first
 axis that the device count divides; small leaves that no axis fits stay replicated), so
 every process writes only the shards on its own devices (orbax/tensorstore, one file set
@@ -41,6 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import packing
+from jaxhybrid.splitter.pipeline_hooks import (from_model_entries, holds_model_tree,
+                                               to_model_entries)
 
 PyTree = Any
 
@@ -190,6 +197,8 @@ def _portable(pipe, state: dict, host: bool = False) -> dict:
                 layer["opt"].append(tree)
         else:
             rest.append(np.asarray(node) if host else node)
+    if holds_model_tree(pipe):      # one split model: its own tree, whatever the cuts
+        layers = to_model_entries(pipe, layers)
     return {"layers": layers, "opt_rest": rest}
 
 
@@ -198,6 +207,8 @@ def _from_portable(pipe, template: dict, portable: dict, host: bool = False) -> 
     `template` gives the optimizer state's structure (its values are not read)."""
     pack, asarray = (_pack_host, np.asarray) if host else (_pack_collection, jnp.asarray)
     layers = portable["layers"]
+    if holds_model_tree(pipe):
+        layers = from_model_entries(pipe, layers)
     variables = {}
     for c in _collections(pipe):
         lengths = pipe.param_len if c == "params" else pipe.state_len[c]

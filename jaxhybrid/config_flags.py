@@ -29,7 +29,11 @@ def base_config() -> ml_collections.ConfigDict:
     """Every field a training config has, with neutral defaults; config files start
     from this and set what their recipe needs (docs/training.md describes each field)."""
     c = ml_collections.ConfigDict()
-    c.model = dict(name="", size="small", overrides={})
+    c.model = dict(name="", size="small", overrides={},
+                   # One Flax module by import path instead of a registered name (the
+                   # pipeline splits it): "package.module:factory", called with kwargs;
+                   # loss: "classification", "token" or "package.module:loss_fn".
+                   module=placeholder(str), kwargs={}, loss=placeholder(str))
     c.mesh = dict(data=-1, pipe=1)                 # one of them may be -1: the rest
     c.pipeline = dict(schedule="1f1b", num_microbatches=1, remat="auto",
                       virtual_stages=2,                   # stages per device ("interleaved")

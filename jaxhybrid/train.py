@@ -69,8 +69,9 @@ def _check_fields(config) -> None:
         raise ConfigError(f"config must be an ml_collections.ConfigDict, got "
                           f"{type(config).__name__}; load it with config_flags.load_config.")
     have = set(config_flags.config_keys(config, ""))
-    # model.overrides and data.options are free-form dicts (checked by model / dataset).
-    free = ("model.overrides.", "data.options.")
+    # model.overrides, model.kwargs and data.options are free-form dicts (checked by
+    # the model / the module's factory / the dataset).
+    free = ("model.overrides.", "model.kwargs.", "data.options.")
     missing = sorted(k for k in expected - have if not k.startswith(free))
     unknown = sorted(k for k in have - expected if not k.startswith(free))
     if missing or unknown:
@@ -111,9 +112,10 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
                                 and pr.num_steps >= 1),
              "profile.start_step and profile.num_steps must be ints >= 1.")
     try:
-        spec = models.get_model(config.model.name, config.model.size,
-                                **config.model.overrides.to_dict())
+        spec = _model_spec(config, train_data)
     except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"model: {e}") from None
     try:
         mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
@@ -158,11 +160,33 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     return Run(spec, mesh, pipe, train_batches, eval_batches, sample)
 
 
+def _model_spec(config, train_data=None) -> models.ModelSpec:
+    """The registered model `model.name`, or the module `model.module` (one Flax module
+    by import path, split by the pipeline; it needs `data.name` or `train_data`)."""
+    m = config.model
+    if m.module is None:
+        return models.get_model(m.name, m.size, **m.overrides.to_dict())
+    from jaxhybrid.models import from_module
+    _require(not m.name, f"model.name={m.name!r} and model.module={m.module!r} are both set; "
+             f"set one of them.")
+    if train_data is not None:      # the caller's stream; the loss decides the task
+        example, info = tuple(next(iter(train_data())))[:2], {}
+        task = "classification" if m.loss in (None, "classification") else "language_model"
+    else:
+        _require(config.data.name is not None,
+                 f"model.module={m.module!r} needs data.name (one of {tuple(data.DATASETS)}) "
+                 f"or train_data=: a module by import path has no dataset of its own.")
+        ds = _dataset(config, None, "test")
+        task = {v: k for k, v in data.TASK_DATASETS.items()}[config.data.name]
+        example, info = next(ds.eval_batches(rows=slice(0, 1)))[:2], ds.info
+    return from_module.build(m.module, m.kwargs.to_dict(), m.loss, task, info, example)
+
+
 def _pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeline:
     p = config.pipeline
     if boundaries is None and p.boundaries is not None:
         boundaries = list(p.boundaries)
-    return jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=p.num_microbatches,
+    return jp.Pipeline(spec.pipeline_model, mesh=mesh, num_microbatches=p.num_microbatches,
                        schedule=p.schedule, boundaries=boundaries,
                        virtual_stages=p.virtual_stages if p.schedule == "interleaved" else None,
                        remat=p.remat if remat is None else remat,
@@ -202,9 +226,31 @@ def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
-    """adamw (decoupled weight decay) or sgd + momentum, on the packed params."""
-    parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
+def global_norm(tree, weights=None):
+    """optax.tree.norm, or with `weights` (packed like the tree) sqrt(sum(w * x^2)): a
+    split model's tied copies each hold the whole gradient and count 1/copies each."""
+    if weights is None:
+        return optax.tree.norm(tree)
+    return jnp.sqrt(sum(jnp.sum(w * jnp.square(x)) for x, w in
+                        zip(jax.tree.leaves(tree), jax.tree.leaves(weights))))
+
+
+def _clip_by_global_norm(max_norm: float, weights) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm with the norm of `global_norm(updates, weights)`."""
+    if weights is None:
+        return optax.clip_by_global_norm(max_norm)
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates, weights)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(t, decay_mask=None, copy_weights=None) -> optax.GradientTransformation:
+    """adamw (decoupled weight decay) or sgd + momentum, on the packed params;
+    `copy_weights` (from `norm_weights`) make gradient clipping count tied copies once."""
+    parts = [_clip_by_global_norm(t.grad_clip_norm, copy_weights)] if t.grad_clip_norm > 0 else []
     if t.optimizer == "adamw":
         parts.append(optax.scale_by_adam())
     if t.weight_decay > 0:
@@ -226,16 +272,27 @@ def weight_decay_mask(pipe, variables) -> dict:
     return checkpoint.pack_like_params(pipe, masks)
 
 
+def norm_weights(pipe, variables):
+    """For a split model whose pieces share a variable (tied embeddings): packed
+    1/copies weights (`global_norm`); None otherwise."""
+    if pipe.splitter is None:
+        return None
+    from jaxhybrid.splitter.pipeline_hooks import copy_weights
+    return copy_weights(pipe, pipe.splitter.split, variables["params"])
+
+
 def make_train_step(run: Run, t):
     grad_fn = run.pipe.value_and_grad(run.spec.loss_fn)
 
-    def train_step(state, decay_mask, inputs, targets, rng):
+    def train_step(state, masks, inputs, targets, rng):
+        decay_mask, weights = masks
         loss, grads, variables = grad_fn(state["variables"], inputs, targets, rng)
         params = state["variables"]["params"]
-        updates, opt_state = make_optimizer(t, decay_mask).update(grads, state["opt_state"], params)
+        updates, opt_state = make_optimizer(t, decay_mask, weights).update(
+            grads, state["opt_state"], params)
         variables = {**variables, "params": optax.apply_updates(params, updates)}
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "param_norm": optax.tree.norm(variables["params"])}
+        metrics = {"loss": loss, "grad_norm": global_norm(grads, weights),
+                   "param_norm": global_norm(variables["params"], weights)}
         return {"variables": variables, "opt_state": opt_state}, metrics
     return jax.jit(train_step, donate_argnums=0)
 
@@ -339,12 +396,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         pipe = run.pipe
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
     if main:
-        logging.info("model %s/%s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
-                     "%s\n%s", config.model.name, config.model.size, pipe.data, pipe.num_stages,
+        logging.info("model %s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
+                     "%s\n%s", config.model.module or f"{config.model.name}/{config.model.size}",
+                     pipe.data, pipe.num_stages,
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
+    masks = (decay_mask, norm_weights(pipe, variables))
     params = variables["params"]
-    opt_init = make_optimizer(t, decay_mask).init
+    opt_init = make_optimizer(t, *masks).init
     shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
     state = {"variables": variables,
              "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
@@ -385,7 +444,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                                  f"train_data() must yield train.steps={t.steps} batches.")
             inputs, targets = batch
             with phases("first step") if step == start + 1 else contextlib.nullcontext():
-                state, m = train_step(state, decay_mask, inputs, targets,
+                state, m = train_step(state, masks, inputs, targets,
                                       jax.random.fold_in(train_rng, step))
                 m = {k: float(v) for k, v in m.items()}
             if step == start + 1 and main:

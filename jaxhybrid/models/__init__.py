@@ -4,6 +4,7 @@
     spec = models.get_model("inception_v3", size="small", num_classes=10)
     spec.layers, spec.loss_fn, spec.metrics_fn, spec.sample_batch(8)
     models.count_params(models.get_model("gpt", size="full"))   # no allocation
+    models.module("gpt", "tiny", tied=True)    # ONE flax module: the pipeline splits it
 
 See docs/models.md for the architectures, sizes and how to add a model.
 """
@@ -23,7 +24,7 @@ MODEL_NAMES = tuple(_BUILDERS)
 SIZES = ("tiny", "small", "full")
 
 __all__ = ["MODEL_NAMES", "SIZES", "ModelSpec", "Sequential", "count_params",
-           "forward_flops", "get_model", "init_layers", "register_model",
+           "forward_flops", "get_model", "init_layers", "module", "register_model",
            "registered_models"]
 
 
@@ -38,6 +39,17 @@ def get_model(name: str, size: str = "tiny", **overrides) -> ModelSpec:
         raise ValueError(f"get_model: unknown size {size!r} for {name!r}; choose one of "
                          f"{SIZES}.")
     return _BUILDERS[name](size, **overrides)
+
+
+def module(name: str, size: str = "small", **overrides):
+    """The model `name` as ONE Flax module, for `jp.Pipeline(model)` or a config's
+    `model.module = "jaxhybrid.models:module"` (kwargs: name, size, overrides): the
+    pipeline's splitter finds the stages. GPT is its own module (`gpt.GPT`, tied head
+    allowed); the others compose their layers (`Sequential`), with no cut marked."""
+    spec = get_model(name, size, **overrides)
+    if name == "gpt":
+        return gpt.GPT(spec.config)
+    return Sequential(tuple(spec.layers))
 
 
 def register_model(name: str, build) -> None:

@@ -12,7 +12,9 @@ activation would send V x D floats over every stage boundary). Hence:
 * `tied=False` (default): separate head matrix (+38.6M params at full size); the model
   is the flat list above, ready for pipelining.
 * `tied=True`: the head reuses the embedding matrix, which keeps the whole model in ONE
-  layer (`TiedGPT`): use it for data parallelism only (pipe=1).
+  layer (`TiedGPT`): use it for data parallelism only (pipe=1) — or give the pipeline
+  the whole model as one module (`GPT`, `models.module("gpt", tied=True)`), which the
+  splitter cuts, holding the tied matrix in both the first and the last stage.
 """
 from __future__ import annotations
 
@@ -121,8 +123,10 @@ class Head(nn.Module):
                             jnp.float32)
 
 
-class TiedGPT(nn.Module):
-    """The whole model in one layer, head = embedding matrix transposed."""
+class GPT(nn.Module):
+    """The whole model as one module (for `jp.Pipeline(model)` / config `model.module`,
+    whose splitter cuts it into stages); with cfg["tied"] the head is the embedding
+    matrix transposed, else the untied `Head`."""
     cfg: dict
 
     @nn.compact
@@ -134,12 +138,17 @@ class TiedGPT(nn.Module):
         for i in range(c["num_layers"]):
             x = Block(c["num_heads"], c["num_layers"], c["dropout_rate"], dtype,
                       name=f"block_{i}")(x, train)
+        if not c["tied"]:
+            return Head(c["vocab_size"], dtype, name="head")(x)
         return emb.attend(_layer_norm(dtype, "ln_f")(x)).astype(jnp.float32)
+
+
+TiedGPT = GPT   # the tied model as the one layer of a list (data parallelism only)
 
 
 def make_layers(cfg: dict) -> list[nn.Module]:
     if cfg["tied"]:
-        return [TiedGPT(cfg)]
+        return [GPT(cfg)]
     dtype = jnp.dtype(cfg["dtype"])
     return [Embedding(cfg["vocab_size"], cfg["d_model"], cfg["max_positions"],
                       cfg["dropout_rate"], dtype),

@@ -123,6 +123,9 @@ class ModelSpec:
     task: "classification" | "language_model" | "translation".
     sample_batch(batch_size, seed=0) -> (inputs, targets) numpy arrays of the right
       shapes and dtypes (random values).
+    module: the model as ONE Flax module (linen or NNX) that the pipeline's splitter
+      cuts into stages (config `model.module`); then `layers` is `[module]`, the
+      unsplit model as a one-layer reference. None: the pipeline takes `layers`.
     """
     name: str
     size: str
@@ -132,7 +135,13 @@ class ModelSpec:
     metrics_fn: Callable
     task: str
     sample_batch: Callable[..., tuple]
+    module: Any = None
     _flops: float | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def pipeline_model(self):
+        """What `jp.Pipeline` is given: the one module (split automatically) or the layers."""
+        return self.layers if self.module is None else self.module
 
     def __post_init__(self):
         if self.task not in TASKS:

@@ -280,7 +280,10 @@ class SplitModel:
             sliced = None
             if parts:
                 pick = (lambda vs: sum(vs[1:], vs[0])) if grads else (lambda vs: vs[0])
-                sliced = np.concatenate([np.asarray(pick(parts[r])) for r in sorted(parts)], 0)
+                pieces = [pick(parts[r]) for r in sorted(parts)]
+                traced = any(isinstance(v, jax.core.Tracer) for v in pieces)
+                sliced = (jnp.concatenate(pieces, 0) if traced
+                          else np.concatenate([np.asarray(v) for v in pieces], 0))
             if grads:
                 total = sum(whole[1:], whole[0]) if whole else None
                 leaves[j] = sliced if total is None else (total if sliced is None else total + sliced)

@@ -188,6 +188,26 @@ def _sync(bufs, groups, is_params: bool):
     return bufs
 
 
+def copy_weights(pipe, split: SplitModel, params: dict) -> dict | None:
+    """Packed buffers like `params`, 1/(number of copies) at every element of a variable
+    held by several pieces, 1 elsewhere; None when no variable has copies. Sums over the
+    packed buffers weighted by them count each model variable once (the global gradient
+    norm of the model, for clipping), although every copy holds the summed gradient."""
+    groups = _groups(pipe, split, "params")
+    if not groups:
+        return None
+    w = {k: np.ones(np.shape(v), np.float32) for k, v in params.items()}
+    for j, copies, _ in groups:
+        count = np.zeros(split.adapter.avals[j].shape, np.float32)
+        for key, _, _ in copies:
+            count[slice(key[1], key[2])] += 1.0   # slice(None, None): the whole variable
+        for key, (row, k, off, shape), _ in copies:
+            part = 1.0 / count[slice(key[1], key[2])]
+            w[k][row, off:off + part.size] = part.reshape(-1)
+    return {k: jax.device_put(v.astype(params[k].dtype), params[k].sharding)
+            for k, v in w.items()}
+
+
 def sync_packed(pipe, split: SplitModel, grads: dict, new_vars: dict):
     """Sums tied parameters' gradients into every copy; copies state from its writer."""
     cache = pipe._cache.setdefault("splitter_sync", {})
@@ -202,3 +222,30 @@ def sync_packed(pipe, split: SplitModel, grads: dict, new_vars: dict):
         if cache[c]:
             new_vars = {**new_vars, c: cache[c](new_vars[c])}
     return grads, new_vars
+
+
+# --- checkpoints in the model's own variable tree ------------------------------------
+def holds_model_tree(pipe) -> bool:
+    """Does `pipe` checkpoint one linen model's own tree (instead of per-piece trees)?"""
+    return pipe.splitter is not None and pipe.splitter.split.adapter.kind == "linen"
+
+
+def to_model_entries(pipe, entries: list) -> list:
+    """Per-piece checkpoint entries [{"variables", "opt": [slot trees]}] -> one entry in
+    the model's own tree (variables as model.init returns them, each optimizer slot like
+    its "params"), so a checkpoint does not depend on where the model was cut."""
+    split = pipe.splitter.split
+    variables = split.from_layer_vars([e["variables"] for e in entries])
+    opt = [split.from_layer_vars([{"params": e["opt"][k]} for e in entries])["params"]
+           for k in range(len(entries[0]["opt"]))]
+    return [{"variables": variables, "opt": opt}]
+
+
+def from_model_entries(pipe, entries: list) -> list:
+    """Inverse of `to_model_entries` for this pipeline's pieces."""
+    split = pipe.splitter.split
+    (entry,) = entries
+    variables = split.to_layer_vars(entry["variables"])
+    slots = [split.to_layer_vars({**entry["variables"], "params": slot}) for slot in entry["opt"]]
+    return [{"variables": v, "opt": [slot[p].get("params", {}) for slot in slots]}
+            for p, v in enumerate(variables)]

@@ -215,6 +215,13 @@ def _trace_errors(thunk):
                          f"({type(e).__name__}: {str(e).splitlines()[0]}); use jnp.where / "
                          f"jax.lax.cond, or pass the deciding value as a constant in "
                          f"call_kwargs.") from e
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise
+        raise ValueError(f"Splitter: the model uses a collective over a named axis "
+                         f"({str(e).splitlines()[0]}), e.g. BatchNorm(axis_name=...) for a "
+                         f"pmap trainer; build it with axis_name=None (the pipeline runs "
+                         f"each microbatch as its own batch, as the model does unmapped).") from e
     except flax.errors.InvalidRngError as e:
         raise ValueError(f"Splitter: the model draws from an rng stream other than "
                          f"'dropout' ({str(e).splitlines()[0]}); the pipeline gives "

@@ -1,0 +1,105 @@
+"""A model given as ONE Flax module by import path (config `model.module`), trained
+without registering it: the pipeline's splitter cuts it into stages (docs/splitter.md).
+
+    c.model.module = "my_package.models:make_resnet"   # factory(**c.model.kwargs) -> Module
+    c.model.kwargs = dict(num_classes=10)
+    c.model.loss = "classification"   # or "token", or "my_package.losses:loss_fn"
+    c.data.name = "digits"            # required: the dataset feeds the module as it is
+
+`module(name, size, **overrides)` offers the four built-in models the same way
+(`c.model.module = "jaxhybrid.models:module"`, `c.model.kwargs = dict(name="gpt",
+size="small", tied=True)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
+                                   classification_metrics)
+
+# Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
+LOSSES = {
+    "classification": lambda info: (classification_loss, classification_metrics),
+    "token": lambda info: (TokenLoss(info.get("pad_id")), TokenMetrics(info.get("pad_id"))),
+}
+# The loss a dataset's task takes when model.loss is not set.
+TASK_LOSSES = {"classification": "classification", "language_model": "token",
+               "translation": "token"}
+
+
+def import_object(path: str, what: str) -> Any:
+    """"package.module:name" (name may be dotted) -> the object; ValueError naming `what`."""
+    module_name, sep, attr = str(path).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what}={path!r} must be an import path 'package.module:name'.")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what}={path!r}: cannot import {module_name!r} ({e}); put its "
+                         f"package on PYTHONPATH or install it.") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what}={path!r}: {module_name!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOnlyMetrics:
+    """Metrics of a user loss: {"loss"} (frozen: equal losses hash equal)."""
+    loss_fn: Callable
+
+    def __call__(self, outputs, targets):
+        return {"loss": self.loss_fn(outputs, targets)}
+
+
+def losses(loss: str | None, task: str, info: dict) -> tuple[Callable, Callable]:
+    """(loss_fn, metrics_fn) for config model.loss: a name in LOSSES, an import path of a
+    loss_fn(outputs, targets) -> scalar, or None (the dataset task's usual loss)."""
+    loss = TASK_LOSSES[task] if loss is None else loss
+    if loss in LOSSES:
+        return LOSSES[loss](info)
+    if ":" not in loss:
+        raise ValueError(f"model.loss={loss!r} is unknown; use one of {tuple(LOSSES)} or an "
+                         f"import path 'package.module:loss_fn'.")
+    fn = import_object(loss, "model.loss")
+    if not callable(fn):
+        raise ValueError(f"model.loss={loss!r} is not callable; name a loss_fn(outputs, "
+                         f"targets) -> scalar.")
+    return fn, LossOnlyMetrics(fn)
+
+
+def build(path: str, kwargs: dict, loss: str | None, task: str, info: dict,
+          example: tuple) -> ModelSpec:
+    """ModelSpec of the module `factory(**kwargs)` named by `path`, trained on a dataset of
+    `task` (its `info`; `example`: one (inputs, targets) row of it)."""
+    factory = import_object(path, "model.module")
+    if isinstance(factory, (nn.Module, nnx.Module)):
+        model = factory                      # a module instance named directly
+    else:
+        try:
+            model = factory(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"model.module={path!r}: calling it with model.kwargs={kwargs} "
+                             f"failed ({e}); fix model.kwargs.") from None
+    if not isinstance(model, (nn.Module, nnx.Module)):
+        raise ValueError(f"model.module={path!r} gave a {type(model).__name__}, not a "
+                         f"flax.linen.Module or flax.nnx.Module; name a factory that "
+                         f"returns the model.")
+    loss_fn, metrics_fn = losses(loss, task, info)
+
+    def sample_batch(batch_size: int, seed: int = 0):
+        del seed   # the dataset's first example, repeated (exact shapes and dtypes)
+        return jax.tree.map(lambda a: np.repeat(np.asarray(a)[:1], batch_size, axis=0),
+                            tuple(example))
+
+    return ModelSpec(name=path, size="", config=dict(kwargs), layers=[model],
+                     loss_fn=loss_fn, metrics_fn=metrics_fn, task=task,
+                     sample_batch=sample_batch, module=model)
