@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing, programs, runtime, tables
+from jaxhybrid.pipeline import packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
@@ -52,6 +52,8 @@ class Pipeline:
       call_kwargs: constant keyword arguments of a single model's call.
       sample_inputs: lets a single model be split here (else in `init`); needed for
         explicit `boundaries` (piece indices) on a model.
+      zero: 1 = ZeRO stage 1 over "data" for `init_optimizer` / `train_step`: each data
+        replica keeps 1 / data of the optimizer state (`jaxhybrid.pipeline.zero`).
 
     `pipe.plan` is the plan in use (`.summary()`, `.to_json()`, `.plot(path)`); it is
     made by `init` and, for explicit boundaries, on first access after `init`.
@@ -61,7 +63,8 @@ class Pipeline:
                  schedule: str | Schedule = "1f1b", boundaries: Sequence[int] | None = None,
                  remat: Any = "auto", memory_budget: int | str | None = None,
                  topology: Any = None, plan: Any = None, virtual_stages: int | None = None,
-                 call_kwargs: dict | None = None, sample_inputs: PyTree = None):
+                 call_kwargs: dict | None = None, sample_inputs: PyTree = None,
+                 zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
         self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
         self.layers = list(layers)
@@ -74,6 +77,10 @@ class Pipeline:
         self.mesh = mesh
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
+        if zero not in (0, 1, False, True):
+            raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
+                             f"or 1 (optimizer state sharded over 'data').")
+        self.zero = bool(zero)
         if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
@@ -198,7 +205,8 @@ class Pipeline:
                                                    for k in mine])
                 for k, part in zip(mine, parts):
                     self.stage_layouts[k][c] = part
-        self.param_len = lengths["params"]
+        self.param_len = (zero.round_rest_lengths(lengths["params"], self.data) if self.zero
+                          else lengths["params"])
         self.state_len = {c: lengths[c] for c in self.state_collections}
         self._cache.clear()
 
@@ -228,7 +236,8 @@ class Pipeline:
         """The runtime's explicit view of this pipeline (stages, buffer lengths, sizes)."""
         self._require_vars()
         return runtime.Engine(tuple(self._stage(k) for k in range(self.num_stages)),
-                              self.param_len, self.state_len, self.data, self.num_microbatches)
+                              self.param_len, self.state_len, self.data, self.num_microbatches,
+                              self.zero)
 
     # --- variables ------------------------------------------------------------------
     def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
@@ -341,7 +350,7 @@ class Pipeline:
         body = self._train_body(loss_fn, inputs, targets, None if rng is None else rng_arg,
                                 train, optimizer)
         state = {c: variables[c] for c in self.state_collections}
-        opt_spec = jax.tree.map(lambda a: P(PIPE) if jnp.ndim(a) else P(), opt_state)
+        opt_spec = zero.opt_state_specs(opt_state, self.zero and optimizer is not None)
         return jax.shard_map(
             body, mesh=self.mesh,
             in_specs=(P(PIPE), P(PIPE), opt_spec, P(DATA), P(DATA), P()),
@@ -375,7 +384,10 @@ class Pipeline:
         return step
 
     def init_optimizer(self, optimizer, variables: dict):
-        """`optimizer.init` on the packed parameters (slots sharded like them)."""
+        """`optimizer.init` on the packed parameters (slots sharded like them; with
+        zero=1 also over "data", see `jaxhybrid.pipeline.zero`)."""
+        if self.zero:
+            return zero.init_optimizer(optimizer, variables["params"], self.mesh)
         return jax.jit(optimizer.init)(variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:

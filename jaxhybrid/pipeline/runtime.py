@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing
+from jaxhybrid.pipeline import packing, zero
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
 from jaxhybrid.pipeline.stages import merge_float, split_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
@@ -61,6 +61,7 @@ class Engine:
     state_len: dict            # {collection: lengths}
     data: int
     num_microbatches: int
+    zero: bool = False         # optimizer state sharded over "data" (`zero.update_slot`)
 
 
 @dataclasses.dataclass
@@ -356,6 +357,8 @@ def _weight_slot(job: Job, dev: Device, c: Carry, row):
 
 
 def _update_slot(job: Job, dev: Device, c: Carry, row):
+    if job.eng.zero and job.eng.data > 1:
+        return zero.update_slot(job, dev, c, row)
     # Gradients averaged over data replicas here, at tick level (outside the cond).
     grads = {n: data_mean(job.eng.data, v) for n, v in c.acc.items()}
 
