@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import packing, zero
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
@@ -157,7 +158,7 @@ def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
     microbatch (no FLOPs)."""
     trees = [mb_inputs]
     for stage in eng.stages:
-        trees.append(jax.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
+        trees.append(tensor_parallel.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
             p, st, x, train=train, rng=key, microbatch=0)[0],
             stage.abstract_params, stage.abstract_state, trees[-1], rng))
     return trees
@@ -179,7 +180,7 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
                                              loss_fn, eng.num_microbatches, train, residuals)
             return out, kept, yi
 
-        out, kept, _ = jax.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
+        out, kept, _ = tensor_parallel.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
                                       mb_targets, rng, gmb)
         kept_trees.append(kept)
         if split:

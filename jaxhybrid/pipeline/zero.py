@@ -52,20 +52,21 @@ def _pad_last(v: jax.Array, data: int) -> jax.Array:
     return v if not extra else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, extra)])
 
 
-def opt_state_specs(opt_state: PyTree, zero: bool) -> PyTree:
-    """shard_map specs of an optimizer state: parameter-shaped slots over "pipe" (and
-    "data" with ZeRO), scalars replicated."""
-    slot = P(PIPE, DATA) if zero else P(PIPE)
+def opt_state_specs(opt_state: PyTree, zero: bool, stage: P = P(PIPE)) -> PyTree:
+    """shard_map specs of an optimizer state: parameter-shaped slots like the stage
+    buffers (`stage`: over "pipe", or ("pipe", "model")), and over "data" with ZeRO;
+    scalars replicated."""
+    slot = P(stage[0], DATA) if zero else stage
     return jax.tree.map(lambda a: slot if jnp.ndim(a) else P(), opt_state)
 
 
-def init_optimizer(optimizer, params: dict, mesh) -> PyTree:
+def init_optimizer(optimizer, params: dict, mesh, stage: P = P(PIPE)) -> PyTree:
     """`optimizer.init` on the zero-padded packed parameters, each slot sharded
     P("pipe", "data"): every device holds 1 / (pipe x data) of it."""
     data = int(mesh.shape[DATA])
     init = lambda p: optimizer.init({k: _pad_last(v, data) for k, v in p.items()})
     abstract = jax.eval_shape(init, params)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), opt_state_specs(abstract, True))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), opt_state_specs(abstract, True, stage))
     return jax.jit(init, out_shardings=shardings)(params)
 
 
