@@ -13,10 +13,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.layers import init_layer, raw_key, takes_train
+from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
-from jaxhybrid.pipeline import packing, programs, runtime, tables, zero
+from jaxhybrid.pipeline import model_shards, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
@@ -200,27 +200,10 @@ class Pipeline:
         return self._split_dims[i]
 
     def _model_shard(self, i: int, c: str, tree, j: int):
-        """Model shard j of layer i's collection-c tree (numpy)."""
-        dims = self._dims(i, c)
-        if dims is None:
-            return tree
-        def shard(a, dim):
-            if dim < 0:
-                return a
-            if np.shape(a)[dim] % self.model:
-                raise ValueError(f"Pipeline: layer {i} has a parameter of shape {np.shape(a)} "
-                                 f"whose dimension {dim} (split over 'model') is not divisible "
-                                 f"by model={self.model}; choose model from its divisors.")
-            return np.split(np.asarray(a), self.model, axis=dim)[j]
-        return jax.tree.map(shard, tree, dims)
+        return model_shards.shard(tree, self._dims(i, c), self.model, j, f"layer {i}")
 
     def _model_merge(self, i: int, c: str, shards: list):
-        """Inverse of `_model_shard`: the model shards of a tree joined (numpy)."""
-        dims = self._dims(i, c)
-        if dims is None:
-            return shards[0]
-        return jax.tree.map(lambda dim, *parts: parts[0] if dim < 0 else np.concatenate(
-            parts, axis=dim), dims, *shards)
+        return model_shards.merge(self._dims(i, c), shards)
 
     def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
         abstract = [{c: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
@@ -307,13 +290,9 @@ class Pipeline:
         return self.pack(per_layer)
 
     def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
-        """Layer i's parameter dims split over "model" (`sharding.model_split_dims` of its
-        abstract, still boxed, variables)."""
-        from jaxhybrid.sharding import model_split_dims
-        boxed = jax.eval_shape(lambda k, x: _boxed_init(layer, k, x), jax.random.key(0), x)
         if self._split_dims is None:
             self._split_dims = [None] * len(self.layers)
-        self._split_dims[i] = model_split_dims(boxed.get("params", {}))
+        self._split_dims[i] = model_shards.split_dims(layer, x)
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""
@@ -538,12 +517,6 @@ def _rng_hint(call: str):
     except flax.errors.InvalidRngError as e:
         raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) while "
                          f"training; pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
-
-
-def _boxed_init(layer: nn.Module, key, x):
-    """A layer's variables as `init` makes them, still boxed with their logical names."""
-    kwargs = {"train": False} if takes_train(layer) else {}
-    return layer.init({"params": key, "dropout": key}, x, **kwargs)
 
 
 _PROFILE_CACHE: dict = {}
