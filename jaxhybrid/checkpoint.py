@@ -166,10 +166,13 @@ def pack_like_params(pipe, per_layer: list) -> dict:
     return {k: jax.device_put(v, sharding) for k, v in host.items()}
 
 
-def opt_state_shardings(pipe, opt_state: PyTree, params: dict) -> PyTree:
+def opt_state_shardings(pipe, opt_state: PyTree, params: dict, zero: bool = False) -> PyTree:
     """Shardings for an (abstract) optimizer state: parameter-shaped slots like the
-    params (over "pipe"), everything else (counts) replicated."""
+    params (over "pipe"; with zero also over "data"), everything else (counts) replicated."""
     is_slot = _param_slot_test(params)
+    if zero:
+        from jaxhybrid.pipeline import zero as zero_
+        return zero_.opt_state_shardings(pipe.mesh, opt_state, params, is_slot)
     stage, replicated = NamedSharding(pipe.mesh, P(PIPE)), NamedSharding(pipe.mesh, P())
     return jax.tree.map(lambda node: (jax.tree.map(lambda _: stage, node) if is_slot(node)
                                       else replicated), opt_state, is_leaf=is_slot)
@@ -230,6 +233,10 @@ def _from_portable(pipe, template: dict, portable: dict, host: bool = False) -> 
 def to_portable(pipe, state: dict) -> dict:
     """{"variables": packed, "opt_state": optax state on packed params} -> the per-layer
     checkpoint tree (global arrays spread over the mesh, see `leaf_sharding`)."""
+    if getattr(pipe, "zero", False):   # ZeRO slots are split over "data": whole rows first
+        params = state["variables"]["params"]
+        state = {**state, "opt_state": jax.jit(lambda o: o, out_shardings=opt_state_shardings(
+            pipe, jax.eval_shape(lambda o: o, state["opt_state"]), params))(state["opt_state"])}
     if not holds_every_stage(pipe.mesh):       # some stages are only on other processes
         return _spread(pipe, functools.partial(_portable, pipe))(state)
     return jax.tree.map(lambda a: jax.make_array_from_callback(
@@ -262,7 +269,8 @@ def from_portable(pipe, portable: dict, template: dict) -> dict:
     params = abstract["variables"]["params"]
     stage = NamedSharding(pipe.mesh, P(PIPE))
     shardings = {"variables": jax.tree.map(lambda _: stage, abstract["variables"]),
-                 "opt_state": opt_state_shardings(pipe, abstract["opt_state"], params)}
+                 "opt_state": opt_state_shardings(pipe, abstract["opt_state"], params,
+                                                    zero=getattr(pipe, "zero", False))}
     if holds_every_stage(pipe.mesh):
         host = _from_portable(pipe, abstract, jax.tree.map(_host_value, portable), host=True)
         return jax.tree.map(jax.device_put, host, shardings)

@@ -41,7 +41,8 @@ def base_config() -> ml_collections.ConfigDict:
                       boundaries=placeholder(tuple))      # None: the planner decides
     c.train = dict(steps=100, batch_size=32, learning_rate=1e-3, warmup_steps=0,
                    weight_decay=0.0, optimizer="adamw", momentum=0.9, grad_clip_norm=0.0,
-                   log_every=10, eval_every=0, eval_steps=0, seed=0)
+                   log_every=10, eval_every=0, eval_steps=0, seed=0,
+                   zero=0)                          # 1: optimizer state sharded over data
     c.data = dict(name=placeholder(str), options={})      # name None: the model's dataset
     c.checkpoint = dict(every=0, keep=2)            # every 0: only at the end
     c.profile = dict(enabled=False, start_step=10, num_steps=5)

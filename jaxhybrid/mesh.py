@@ -1,4 +1,4 @@
-"""The device mesh: axes ("data", "pipe")."""
+"""The device mesh: axes ("data", "pipe"), and "model" for tensor parallelism."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,11 +7,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-DATA, PIPE = "data", "pipe"
+DATA, PIPE, MODEL = "data", "pipe", "model"
 
 
-def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A Mesh with axes ("data", "pipe") over `devices` (default: all devices).
+def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | None = None,
+              model: int = 1) -> Mesh:
+    """A Mesh with axes ("data", "pipe") over `devices` (default: all devices); with
+    model > 1 a third axis "model" (tensor parallelism, innermost: a model group is
+    `model` consecutive devices of the list).
 
     One of `data` / `pipe` may be -1: it takes the devices that are left. Device order
     along "pipe" is the order of `devices` (e.g. from a plan's device mapping), so
@@ -19,6 +22,20 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
     logical sharding constraints work inside the model.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(model, (int, np.integer)) or model < 1:
+        raise ValueError(f"make_mesh: model={model!r} must be a positive int.")
+    if model > 1:
+        if len(devices) % model:
+            raise ValueError(f"make_mesh: model={model} does not divide the {len(devices)} "
+                             f"devices; choose model from the divisors of {len(devices)}.")
+        try:   # one device per model group
+            groups = make_mesh(data, pipe, devices[::model])
+        except ValueError as e:
+            raise ValueError(f"{e} (model={model}: {len(devices)} devices make "
+                             f"{len(devices) // model} model groups for data x pipe)") from None
+        grid = np.array([[devices[devices.index(d):devices.index(d) + model] for d in row]
+                         for row in groups.devices], dtype=object)
+        return Mesh(grid, (DATA, PIPE, MODEL), axis_types=(AxisType.Auto,) * 3)
     n = len(devices)
     if data == -1 and pipe == -1:
         raise ValueError("make_mesh: at most one of data/pipe may be -1; set the other explicitly.")

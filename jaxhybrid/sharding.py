@@ -13,8 +13,14 @@ says *what* each dimension is, and the rules below say *where* it lives. On the
   parameter buffers along it). A layer that named "pipe" would make XLA insert
   collectives inside one stage's branch, which deadlocks (see DESIGN.md).
 
-Adding tensor parallelism later means adding a mesh axis and pointing e.g. "mlp" or
-"heads" at it here; the models need no change.
+With tensor parallelism (a "model" mesh axis, `make_mesh(model=T)`), the names in
+`TENSOR_PARALLEL_AXES` map to "model": the pipeline packs each stage's parameters per
+model shard, split along those dimensions, and the layers that own them compute on
+their shard with explicit collectives over "model" (`jaxhybrid.tensor_parallel`). Only
+names whose layers are written for it are mapped: "heads" and "mlp" (GPT blocks,
+Megatron column/row-parallel). Others stay replicated over "model": "vocab" too, since
+common vocabularies (257, 50257) are odd; a layer without them (convolutions, LSTMs,
+the heterogeneous test model) runs replicated within its model group.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.mesh import DATA
+from jaxhybrid.mesh import DATA, MODEL
 
 # What each logical name means (documentation and the set the tests check against).
 LOGICAL_AXES: dict[str, str] = {
@@ -54,9 +60,29 @@ DATA_PIPE_RULES: tuple[tuple[str, Any], ...] = (("batch", DATA),) + tuple(
     (name, None) for name in LOGICAL_AXES if name != "batch")
 
 
-def logical_axis_rules() -> tuple[tuple[str, Any], ...]:
-    """The (logical name, mesh axis or None) rules for the ("data", "pipe") mesh."""
-    return DATA_PIPE_RULES
+# Logical names split over "model" on a mesh with a "model" axis.
+TENSOR_PARALLEL_AXES: tuple[str, ...] = ("heads", "mlp")
+MODEL_RULES: tuple[tuple[str, Any], ...] = tuple(
+    (name, MODEL if name in TENSOR_PARALLEL_AXES else axis) for name, axis in DATA_PIPE_RULES)
+
+
+def logical_axis_rules(model: bool = False) -> tuple[tuple[str, Any], ...]:
+    """The (logical name, mesh axis or None) rules for the ("data", "pipe") mesh, or with
+    model=True for ("data", "pipe", "model")."""
+    return MODEL_RULES if model else DATA_PIPE_RULES
+
+
+def model_split_dims(boxed: Any) -> Any:
+    """Boxed flax variables -> the same tree with, per leaf, the dimension split over
+    "model" by `MODEL_RULES` (-1: replicated; also for unannotated leaves)."""
+    def dim(leaf):
+        names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else ()
+        split = [i for i, n in enumerate(names) if n in TENSOR_PARALLEL_AXES]
+        if len(split) > 1:
+            raise ValueError(f"model_split_dims: a leaf with logical axes {names} splits "
+                             f"{len(split)} dimensions over 'model'; at most one may.")
+        return split[0] if split else -1
+    return jax.tree.map(dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 @contextlib.contextmanager

@@ -28,11 +28,13 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxhybrid as jh
 from jaxhybrid import checkpoint, config_flags, data, distributed, models, startup
 from jaxhybrid import pipeline as jp
-from jaxhybrid.mesh import DATA
+from jaxhybrid.mesh import DATA, PIPE
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -98,6 +100,8 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
         _require(_int(t[name]) and t[name] >= 1, f"train.{name}={t[name]!r} must be an int >= 1.")
     for name in ("warmup_steps", "eval_every", "eval_steps", "seed"):
         _require(_int(t[name]) and t[name] >= 0, f"train.{name}={t[name]!r} must be an int >= 0.")
+    _require(t.get("zero", 0) in (0, 1), f"train.zero={t.get('zero')!r} must be 0 or 1 "
+             f"(1: optimizer state sharded over the mesh's data replicas).")
     _require(t.optimizer in OPTIMIZERS,
              f"train.optimizer={t.optimizer!r} is unknown; choose one of {OPTIMIZERS}.")
     _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
@@ -190,7 +194,8 @@ def _pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeline:
                        schedule=p.schedule, boundaries=boundaries,
                        virtual_stages=p.virtual_stages if p.schedule == "interleaved" else None,
                        remat=p.remat if remat is None else remat,
-                       memory_budget=p.memory_budget if remat is None else None)
+                       memory_budget=p.memory_budget if remat is None else None,
+                       zero=config.train.get("zero", 0))
 
 
 def _process_share(stream: Callable[[], Iterable], rows: slice) -> Callable[..., Iterator]:
@@ -290,7 +295,11 @@ def make_train_step(run: Run, t):
         params = state["variables"]["params"]
         updates, opt_state = make_optimizer(t, decay_mask, weights).update(
             grads, state["opt_state"], params)
-        variables = {**variables, "params": optax.apply_updates(params, updates)}
+        new_params = optax.apply_updates(params, updates)
+        if run.pipe.zero:   # updated in data shards: all-gather the params (over "pipe" only)
+            new_params = jax.lax.with_sharding_constraint(
+                new_params, NamedSharding(run.mesh, P(PIPE)))
+        variables = {**variables, "params": new_params}
         metrics = {"loss": loss, "grad_norm": global_norm(grads, weights),
                    "param_norm": global_norm(variables["params"], weights)}
         return {"variables": variables, "opt_state": opt_state}, metrics
@@ -404,7 +413,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     masks = (decay_mask, norm_weights(pipe, variables))
     params = variables["params"]
     opt_init = make_optimizer(t, *masks).init
-    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
+    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params,
+                                               zero=pipe.zero)
     state = {"variables": variables,
              "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid import tensor_parallel
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, check_overrides,
                                    normal_init, ones_init, zeros_init)
 
@@ -73,8 +74,34 @@ class Embedding(nn.Module):
         return self.wte.attend(x)
 
 
+class RowParallel(nn.Module):
+    """y = sum over the contracted trailing `axes` of x and the kernel, + bias, with the
+    kernel's first contracted dimension split over "model" (Megatron's row-parallel
+    layer): each shard's partial product is summed over the model group before the
+    (replicated) bias is added once. The parameters are nn.Dense / nn.DenseGeneral's
+    ("kernel" [*contracted, features], "bias" [features]); at model degree 1 it is one."""
+    features: int
+    axes: int
+    kernel_init: Any
+    bias_init: Any
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (*x.shape[-self.axes:], self.features))
+        bias = self.param("bias", self.bias_init, (self.features,))
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        dims = tuple(range(x.ndim - self.axes, x.ndim))
+        y = jax.lax.dot_general(x, kernel, ((dims, tuple(range(self.axes))), ((), ())))
+        return tensor_parallel.reduce_from_model(y) + bias
+
+
 class Block(nn.Module):
-    """x + attn(LN(x)); x + mlp(LN(x)) with causal multi-head self-attention."""
+    """x + attn(LN(x)); x + mlp(LN(x)) with causal multi-head self-attention.
+
+    Tensor parallel over "model" (Megatron): the heads ("heads") and the MLP hidden
+    width ("mlp") are split; c_attn and c_fc are column-parallel, c_proj and mlp_proj
+    row-parallel (`RowParallel`), the LayerNorms replicated."""
     num_heads: int
     num_layers: int = 12
     dropout_rate: float = 0.0
@@ -83,30 +110,28 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         B, T, D = x.shape
-        H, cd = self.num_heads, self.dtype
-        hd = D // H
+        H, cd = tensor_parallel.local(self.num_heads, "num_heads"), self.dtype
+        hd = D // self.num_heads
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * num_layers).
         proj_std = INIT_STD / np.sqrt(2 * self.num_layers)
         drop = lambda y: nn.Dropout(self.dropout_rate, deterministic=not train)(y)
 
-        h = _layer_norm(cd, "ln_1")(x)
+        h = tensor_parallel.copy_to_model(_layer_norm(cd, "ln_1")(x))
         qkv = nn.DenseGeneral((3, H, hd), dtype=cd, name="c_attn",
                               kernel_init=normal_init(INIT_STD, "embed", "qkv", "heads", "kv"),
                               bias_init=zeros_init("qkv", "heads", "kv"))(h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]           # [B, T, H, hd]
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        a = nn.DenseGeneral(D, axis=(-2, -1), dtype=cd, name="c_proj",
-                            kernel_init=normal_init(proj_std, "heads", "kv", "embed"),
-                            bias_init=zeros_init("embed"))(a)
+        a = RowParallel(D, 2, normal_init(proj_std, "heads", "kv", "embed"),
+                        zeros_init("embed"), cd, name="c_proj")(a)
         x = x + drop(a)
 
-        h = _layer_norm(cd, "ln_2")(x)
-        h = nn.Dense(4 * D, dtype=cd, name="c_fc",
+        h = tensor_parallel.copy_to_model(_layer_norm(cd, "ln_2")(x))
+        h = nn.Dense(tensor_parallel.local(4 * D, "mlp width"), dtype=cd, name="c_fc",
                      kernel_init=normal_init(INIT_STD, "embed", "mlp"),
                      bias_init=zeros_init("mlp"))(h)
-        h = nn.Dense(D, dtype=cd, name="mlp_proj",
-                     kernel_init=normal_init(proj_std, "mlp", "embed"),
-                     bias_init=zeros_init("embed"))(nn.gelu(h, approximate=True))
+        h = RowParallel(D, 1, normal_init(proj_std, "mlp", "embed"), zeros_init("embed"), cd,
+                        name="mlp_proj")(nn.gelu(h, approximate=True))
         return x + drop(h)
 
 

@@ -14,8 +14,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.layers import init_layer, raw_key
-from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing, programs, runtime, tables
+from jaxhybrid import tensor_parallel
+from jaxhybrid.mesh import DATA, MODEL, PIPE
+from jaxhybrid.pipeline import model_shards, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
@@ -52,6 +53,8 @@ class Pipeline:
       call_kwargs: constant keyword arguments of a single model's call.
       sample_inputs: lets a single model be split here (else in `init`); needed for
         explicit `boundaries` (piece indices) on a model.
+      zero: 1 = ZeRO stage 1 over "data" for `init_optimizer` / `train_step`: each data
+        replica keeps 1 / data of the optimizer state (`jaxhybrid.pipeline.zero`).
 
     `pipe.plan` is the plan in use (`.summary()`, `.to_json()`, `.plot(path)`); it is
     made by `init` and, for explicit boundaries, on first access after `init`.
@@ -61,19 +64,33 @@ class Pipeline:
                  schedule: str | Schedule = "1f1b", boundaries: Sequence[int] | None = None,
                  remat: Any = "auto", memory_budget: int | str | None = None,
                  topology: Any = None, plan: Any = None, virtual_stages: int | None = None,
-                 call_kwargs: dict | None = None, sample_inputs: PyTree = None):
+                 call_kwargs: dict | None = None, sample_inputs: PyTree = None,
+                 zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
         self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
-        if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, PIPE}:
+        if not isinstance(mesh, Mesh) or set(mesh.axis_names) not in ({DATA, PIPE},
+                                                                       {DATA, PIPE, MODEL}):
             names = getattr(mesh, "axis_names", None)
-            raise ValueError(f"Pipeline: mesh must have exactly the axes ('data', 'pipe'), got "
-                             f"{names}; build it with jaxhybrid.make_mesh(data=..., pipe=...).")
+            raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
+                             f"'pipe', 'model'), got {names}; build it with "
+                             f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
         self.mesh = mesh
+        # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
+        self.model = int(dict(mesh.shape).get(MODEL, 1))
+        self.stage_spec = P((PIPE, MODEL)) if MODEL in mesh.axis_names else P(PIPE)
+        self._split_dims = None   # per layer: params tree of the dim split over "model"
+        if self.model > 1 and self.splitter is not None:
+            raise ValueError("Pipeline: a mesh with model > 1 needs a list of layers (the "
+                             "tensor-parallel layouts come from each layer's init).")
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
+        if zero not in (0, 1, False, True):
+            raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
+                             f"or 1 (optimizer state sharded over 'data').")
+        self.zero = bool(zero)
         if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
@@ -176,9 +193,22 @@ class Pipeline:
         return [[i for k in range(self.num_stages) if sd[k] == d for i in range(*self.ranges[k])]
                 for d in range(self.pipe_size)]
 
+    def _dims(self, i: int, c: str):
+        """Layer i's tree of dims split over "model" for collection c (None: none)."""
+        if self.model == 1 or c != "params" or self._split_dims is None:
+            return None
+        return self._split_dims[i]
+
+    def _model_shard(self, i: int, c: str, tree, j: int):
+        return model_shards.shard(tree, self._dims(i, c), self.model, j, f"layer {i}")
+
+    def _model_merge(self, i: int, c: str, shards: list):
+        return model_shards.merge(self._dims(i, c), shards)
+
     def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
-        abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), dict(v))
-                    for v in per_layer]
+        abstract = [{c: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
+                                     self._model_shard(i, c, tree, 0)) for c, tree in dict(v).items()}
+                    for i, v in enumerate(per_layer)]
         self._layer_vars = abstract
         colls = sorted({c for v in abstract for c in v})
         self.state_collections = [c for c in colls if c != "params"]
@@ -198,7 +228,8 @@ class Pipeline:
                                                    for k in mine])
                 for k, part in zip(mine, parts):
                     self.stage_layouts[k][c] = part
-        self.param_len = lengths["params"]
+        self.param_len = (zero.round_rest_lengths(lengths["params"], self.data) if self.zero
+                          else lengths["params"])
         self.state_len = {c: lengths[c] for c in self.state_collections}
         self._cache.clear()
 
@@ -235,7 +266,8 @@ class Pipeline:
         """The runtime's explicit view of this pipeline (stages, buffer lengths, sizes)."""
         self._require_vars()
         return runtime.Engine(tuple(self._stage(k) for k in range(self.num_stages)),
-                              self.param_len, self.state_len, self.data, self.num_microbatches)
+                              self.param_len, self.state_len, self.data, self.num_microbatches,
+                              self.zero)
 
     def make_plan(self, sample_inputs: PyTree) -> None:
         """Takes the planner's decisions (stage boundaries, remat) from the layers'
@@ -263,10 +295,17 @@ class Pipeline:
         # about twice as long to compile the partitionable variant (Inception: 48 s -> 23 s).
         with jax.threefry_partitionable(False):
             for i, layer in enumerate(self.layers):
+                if self.model > 1:   # which dimensions the layer's logical names split
+                    self._record_split_dims(i, layer, x)
                 variables, x = jax.jit(functools.partial(init_layer, layer, train=False))(
                     jax.random.fold_in(rng, i), x)
                 per_layer.append(variables)
         return self.pack(per_layer)
+
+    def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
+        if self._split_dims is None:
+            self._split_dims = [None] * len(self.layers)
+        self._split_dims[i] = model_shards.split_dims(layer, x)
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""
@@ -280,14 +319,20 @@ class Pipeline:
             raise ValueError(f"Pipeline.pack: got variables for {len(per_layer)} layers, the "
                              f"pipeline has {len(self.layers)}.")
         per_layer = [nn.meta.unbox(dict(v)) for v in per_layer]
+        if self.model > 1 and self._split_dims is None:
+            raise ValueError("Pipeline.pack: with a 'model' mesh axis call pipe.init(rng, "
+                             "sample_inputs) first (it learns which parameter dimensions "
+                             "are split over 'model').")
         self._set_layer_vars(per_layer)
-        sharding = NamedSharding(self.mesh, P(PIPE))
+        sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
         for c in ["params", *self.state_collections]:
             lengths = self.param_len if c == "params" else self.state_len[c]
+            # One row per (pipe device, model shard), pipe-major like the "stage_spec".
             rows = [packing.pack_numpy(self.param_layouts[d][c],
-                                       [per_layer[i].get(c, {}) for i in layers], lengths)
-                    for d, layers in enumerate(self.device_layers)]
+                                       [self._model_shard(i, c, per_layer[i].get(c, {}), j)
+                                        for i in layers], lengths)
+                    for d, layers in enumerate(self.device_layers) for j in range(self.model)]
             out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
         return out
 
@@ -298,11 +343,12 @@ class Pipeline:
         per_layer = [dict() for _ in self.layers]
         for c in ["params", *self.state_collections]:
             for d, layers in enumerate(self.device_layers):
-                row = {k: v[d] for k, v in host[c].items()}
-                trees = packing.unpack_numpy(self.param_layouts[d][c], row)
-                for tree, i in zip(trees, layers):
+                shards = [packing.unpack_numpy(self.param_layouts[d][c],
+                                               {k: v[d * self.model + j] for k, v in host[c].items()})
+                          for j in range(self.model)]
+                for n, i in enumerate(layers):
                     if c in self._layer_vars[i]:
-                        per_layer[i][c] = tree
+                        per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
         return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
 
     # --- execution ------------------------------------------------------------------
@@ -326,9 +372,10 @@ class Pipeline:
         key = ("layouts", jax.tree.structure(mb_inputs), str(mb_inputs), str(mb_targets),
                loss_fn, train, rng is not None)
         if key not in self._cache:
-            self._cache[key] = runtime.stage_layouts(
-                self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
-                split=self.schedule.split_backward)
+            with tensor_parallel.degree(self.model):   # local shapes, "model" bound
+                self._cache[key] = runtime.stage_layouts(
+                    self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
+                    split=self.schedule.split_backward)
         return self._cache[key]
 
     def _control(self, sched: Schedule) -> tables.ControlTable:
@@ -350,15 +397,23 @@ class Pipeline:
         return runtime.train_program(job, self._control(sched), optimizer)
 
     def _run_step(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng):
+        with tensor_parallel.degree(self.model):   # layers trace at their local shapes
+            return self._run_step_body(loss_fn, train, optimizer, variables, opt_state, inputs,
+                                       targets, rng)
+
+    def _run_step_body(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets,
+                       rng):
         rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
         body = self._train_body(loss_fn, inputs, targets, None if rng is None else rng_arg,
                                 train, optimizer)
         state = {c: variables[c] for c in self.state_collections}
-        opt_spec = jax.tree.map(lambda a: P(PIPE) if jnp.ndim(a) else P(), opt_state)
+        opt_spec = zero.opt_state_specs(opt_state, self.zero and optimizer is not None,
+                                        self.stage_spec)
+        st = self.stage_spec
         return jax.shard_map(
             body, mesh=self.mesh,
-            in_specs=(P(PIPE), P(PIPE), opt_spec, P(DATA), P(DATA), P()),
-            out_specs=(P(), P(PIPE), P(PIPE), P(PIPE), opt_spec), check_vma=False,
+            in_specs=(st, st, opt_spec, P(DATA), P(DATA), P()),
+            out_specs=(P(), st, st, st, opt_spec), check_vma=False,
         )(variables["params"], state, opt_state, inputs, targets, rng_arg)
 
     def value_and_grad(self, loss_fn: Callable, *, train: bool = True) -> Callable:
@@ -388,7 +443,11 @@ class Pipeline:
         return step
 
     def init_optimizer(self, optimizer, variables: dict):
-        """`optimizer.init` on the packed parameters (slots sharded like them)."""
+        """`optimizer.init` on the packed parameters (slots sharded like them; with
+        zero=1 also over "data", see `jaxhybrid.pipeline.zero`)."""
+        if self.zero:
+            return zero.init_optimizer(optimizer, variables["params"], self.mesh,
+                                       self.stage_spec)
         return jax.jit(optimizer.init)(variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
@@ -428,7 +487,8 @@ class Pipeline:
         return self._cache[key](variables, inputs, rng)
 
     def _apply(self, variables, inputs, rng, *, train):
-        with _rng_hint("apply(variables, inputs, train=True, rng=key)"):
+        with _rng_hint("apply(variables, inputs, train=True, rng=key)"), \
+                tensor_parallel.degree(self.model):
             mb_in = self._microbatch(inputs, "inputs")
             rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
             lay = self._forward_layouts(mb_in, train, jax.ShapeDtypeStruct(
@@ -437,13 +497,15 @@ class Pipeline:
                                             self._control(forward_schedule(self.schedule)),
                                             train, rng is not None)
             state = {c: variables[c] for c in self.state_collections}
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(PIPE), P(PIPE), P(DATA), P()),
+            return jax.shard_map(body, mesh=self.mesh,
+                                 in_specs=(self.stage_spec, self.stage_spec, P(DATA), P()),
                                  out_specs=P(DATA), check_vma=False)(
                 variables["params"], state, inputs, rng_arg)
 
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""
-        trees = runtime.boundary_trees(self.engine(), mb_in, train, rng)
+        with tensor_parallel.degree(self.model):   # local shapes, "model" bound
+            trees = runtime.boundary_trees(self.engine(), mb_in, train, rng)
         internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
         return runtime.StageLayouts(
             act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],

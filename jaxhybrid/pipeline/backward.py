@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import jax
 from jax.extend import core as jcore
 
+from jaxhybrid import tensor_parallel
+
 PyTree = Any
 
 
@@ -68,7 +70,8 @@ class SplitBackward:
     `crossing_avals` gives the stash layout of the crossing values."""
 
     def __init__(self, bwd, p_avals: list, res_avals: list, ct_avals: list, num_param_grads: int):
-        closed = jax.make_jaxpr(bwd)(p_avals, res_avals, ct_avals)
+        # "model" bound: a tensor-parallel stage's backward has collectives over it.
+        closed = tensor_parallel.make_jaxpr(bwd)(p_avals, res_avals, ct_avals)
         jaxpr = closed.jaxpr
         self._consts = dict(zip(jaxpr.constvars, closed.consts))
         self._invars = list(jaxpr.invars)

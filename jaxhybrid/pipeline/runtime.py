@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing
+from jaxhybrid.pipeline import packing, zero
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
 from jaxhybrid.pipeline.stages import merge_float, split_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
@@ -61,6 +62,7 @@ class Engine:
     state_len: dict            # {collection: lengths}
     data: int
     num_microbatches: int
+    zero: bool = False         # optimizer state sharded over "data" (`zero.update_slot`)
 
 
 @dataclasses.dataclass
@@ -156,7 +158,7 @@ def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
     microbatch (no FLOPs)."""
     trees = [mb_inputs]
     for stage in eng.stages:
-        trees.append(jax.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
+        trees.append(tensor_parallel.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
             p, st, x, train=train, rng=key, microbatch=0)[0],
             stage.abstract_params, stage.abstract_state, trees[-1], rng))
     return trees
@@ -178,7 +180,7 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
                                              loss_fn, eng.num_microbatches, train, residuals)
             return out, kept, yi
 
-        out, kept, _ = jax.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
+        out, kept, _ = tensor_parallel.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
                                       mb_targets, rng, gmb)
         kept_trees.append(kept)
         if split:
@@ -358,6 +360,8 @@ def _weight_slot(job: Job, dev: Device, c: Carry, row):
 
 
 def _update_slot(job: Job, dev: Device, c: Carry, row):
+    if job.eng.zero and job.eng.data > 1:
+        return zero.update_slot(job, dev, c, row)
     # Gradients averaged over data replicas here, at tick level (outside the cond).
     grads = {n: data_mean(job.eng.data, v) for n, v in c.acc.items()}
 

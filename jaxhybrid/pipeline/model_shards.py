@@ -1,0 +1,53 @@
+"""A layer's variables cut into "model" shards (tensor parallelism) and joined back.
+
+A parameter whose logical names put one dimension on "model" (`sharding.MODEL_RULES`)
+is split evenly along it: shard j of T holds slice j. The pipeline packs each shard into
+its own row of stage buffers (rows stacked over ("pipe", "model")), so packing never
+flattens a "model"-split dimension away; every other leaf is copied to every shard.
+Dims are given per leaf as an int (-1: not split).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxhybrid.layers import takes_train
+from jaxhybrid.sharding import model_split_dims
+
+PyTree = Any
+
+
+def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
+    """The layer's "params" tree of dims split over "model", from its abstract init on
+    input x (still boxed with the logical names; no FLOPs)."""
+    kwargs = {"train": False} if takes_train(layer) else {}
+    boxed = jax.eval_shape(lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs),
+                           jax.random.key(0), x)
+    return model_split_dims(boxed.get("params", {}))
+
+
+def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str) -> PyTree:
+    """Shard j of `model` of a (numpy) tree; dims None: nothing is split."""
+    if dims is None:
+        return tree
+
+    def one(a, dim):
+        if dim < 0:
+            return a
+        if np.shape(a)[dim] % model:
+            raise ValueError(f"Pipeline: {what} has a parameter of shape {np.shape(a)} whose "
+                             f"dimension {dim} (split over 'model') is not divisible by "
+                             f"model={model}; choose model from its divisors.")
+        return np.split(np.asarray(a), model, axis=dim)[j]
+    return jax.tree.map(one, tree, dims)
+
+
+def merge(dims: PyTree | None, shards: list) -> PyTree:
+    """Inverse of `shard`: the trees of all shards joined (numpy)."""
+    if dims is None:
+        return shards[0]
+    return jax.tree.map(lambda dim, *parts: parts[0] if dim < 0 else np.concatenate(
+        parts, axis=dim), dims, *shards)
