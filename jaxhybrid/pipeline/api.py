@@ -15,10 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing, programs, runtime, tables
+from jaxhybrid.pipeline import async_weights, packing, programs, runtime, tables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
+from jaxhybrid.schedules.asynchronous import synchronous_view
 
 PyTree = Any
 
@@ -332,9 +333,15 @@ class Pipeline:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)
         rng_aval = jax.ShapeDtypeStruct(rng.shape, rng.dtype) if rng is not None else None
         lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval)
-        sched = self.schedule.with_updates() if optimizer is not None else self.schedule
-        job = runtime.Job(eng, lay, loss_fn, train, rng is not None, sched.split_backward)
-        return runtime.train_program(job, self._control(sched), optimizer)
+        # Without an optimizer an asynchronous schedule computes the gradient of the
+        # current weights (its table without U tasks).
+        sched = (self.schedule.with_updates() if optimizer is not None
+                 else synchronous_view(self.schedule))
+        job = runtime.Job(eng, lay, loss_fn, train, rng is not None, sched.split_backward,
+                          sched.weights)
+        return runtime.train_program(job, self._control(sched), optimizer and
+                                     async_weights.pipeline_optimizer(optimizer, sched,
+                                                                      self.num_microbatches))
 
     def _run_step(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng):
         rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
@@ -375,7 +382,10 @@ class Pipeline:
         return step
 
     def init_optimizer(self, optimizer, variables: dict):
-        """`optimizer.init` on the packed parameters (slots sharded like them)."""
+        """`optimizer.init` on the packed parameters (slots sharded like them); for an
+        asynchronous schedule, of the optimizer its U tasks run (`async_weights`)."""
+        optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
+                                                     self.num_microbatches)
         return jax.jit(optimizer.init)(variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
