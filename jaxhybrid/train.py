@@ -32,6 +32,8 @@ import jaxhybrid as jh
 from jaxhybrid import checkpoint, config_flags, data, distributed, models
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA
+from jaxhybrid.pipeline import async_weights
+from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -101,6 +103,12 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
     for name in ("weight_decay", "grad_clip_norm", "momentum"):
         _require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
+    if p.schedule in SCHEDULES and asynchronous.is_asynchronous(make_schedule(p.schedule, 1, 1)):
+        # Its optimizer runs per device inside the pipeline (see docs/async.md).
+        _require(t.grad_clip_norm == 0 and t.weight_decay == 0,
+                 f"pipeline.schedule={p.schedule!r} updates weights inside the pipeline, one "
+                 f"device's buffers at a time: set train.grad_clip_norm=0 and "
+                 f"train.weight_decay=0 (a global clip or packed decay mask needs every stage).")
     c = config.checkpoint
     _require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
              f">= 0 (0: only at the end).")
@@ -201,8 +209,10 @@ def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
-    """adamw (decoupled weight decay) or sgd + momentum, on the packed params."""
+def make_optimizer(t, decay_mask=None, updates_per_step: int = 1) -> optax.GradientTransformation:
+    """adamw (decoupled weight decay) or sgd + momentum, on the packed params;
+    `updates_per_step` > 1 (asynchronous schedules) keeps the learning-rate schedule in
+    steps while the optimizer counts updates."""
     parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
     if t.optimizer == "adamw":
         parts.append(optax.scale_by_adam())
@@ -210,7 +220,9 @@ def make_optimizer(t, decay_mask=None) -> optax.GradientTransformation:
         parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
     if t.optimizer == "sgd" and t.momentum > 0:
         parts.append(optax.trace(decay=t.momentum))
-    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t)))
+    lr = learning_rate_schedule(t)
+    parts.append(optax.scale_by_learning_rate(
+        lr if updates_per_step == 1 else lambda count: lr(count // updates_per_step)))
     return optax.chain(*parts)
 
 
@@ -222,7 +234,13 @@ def weight_decay_mask(pipe, variables) -> dict:
     return checkpoint.pack_like_params(pipe, masks)
 
 
+def _updates_per_step(pipe) -> int:
+    return asynchronous.updates_per_call(pipe.schedule)
+
+
 def make_train_step(run: Run, t):
+    if asynchronous.is_asynchronous(run.pipe.schedule):
+        return _make_async_train_step(run, t)
     grad_fn = run.pipe.value_and_grad(run.spec.loss_fn)
 
     def train_step(state, decay_mask, inputs, targets, rng):
@@ -230,6 +248,22 @@ def make_train_step(run: Run, t):
         params = state["variables"]["params"]
         updates, opt_state = make_optimizer(t, decay_mask).update(grads, state["opt_state"], params)
         variables = {**variables, "params": optax.apply_updates(params, updates)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "param_norm": optax.tree.norm(variables["params"])}
+        return {"variables": variables, "opt_state": opt_state}, metrics
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def _make_async_train_step(run: Run, t):
+    """The same step for an asynchronous schedule: the optimizer runs inside the
+    pipeline (U tasks after each gradient window); grads are the mean of the
+    microbatch gradients the call applied."""
+    step = run.pipe.train_step(run.spec.loss_fn,
+                               make_optimizer(t, None, _updates_per_step(run.pipe)))
+
+    def train_step(state, decay_mask, inputs, targets, rng):
+        loss, grads, variables, opt_state = step(state["variables"], state["opt_state"],
+                                                 inputs, targets, rng)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "param_norm": optax.tree.norm(variables["params"])}
         return {"variables": variables, "opt_state": opt_state}, metrics
@@ -332,7 +366,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
     params = variables["params"]
-    opt_init = make_optimizer(t, decay_mask).init
+    # An asynchronous schedule's U tasks run the optimizer wrapped for their windows
+    # (and SpecTrain's last update): its state is what is trained and checkpointed.
+    opt_init = async_weights.pipeline_optimizer(
+        make_optimizer(t, decay_mask, _updates_per_step(pipe)), pipe.schedule,
+        pipe.num_microbatches).init
     shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
     state = {"variables": variables,
              "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}

@@ -194,3 +194,52 @@ def test_value_and_grad_of_an_async_schedule_is_the_synchronous_gradient():
         grads[name] = pipe.value_and_grad(loss_fn)(v, x, t)[1]
     for a, b in zip(jax.tree.leaves(grads["1f1b"]), jax.tree.leaves(grads["spectrain"])):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# --- training from a config, killed and resumed ------------------------------------------
+class _Killed(Exception):
+    pass
+
+
+def test_spectrain_run_from_config_resumes_exactly(tmp_path, monkeypatch):
+    from jaxhybrid import checkpoint, train
+    from jaxhybrid.config_flags import load_config
+    import json
+
+    def config():
+        return load_config("gpt_hybrid.py", {
+            "model.size": "tiny", "mesh.data": 2, "mesh.pipe": 4,
+            "pipeline.schedule": "spectrain", "pipeline.num_microbatches": 4,
+            "pipeline.boundaries": (1, 2, 3), "train.batch_size": 16, "train.steps": 5,
+            "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 0,
+            "train.eval_steps": 1, "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0,
+            "train.optimizer": "sgd", "train.momentum": 0.9,
+            "data.options.max_bytes": 40_000, "checkpoint.every": 2})
+
+    def losses(workdir):
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["train_loss"] for r in map(json.loads, lines)}
+
+    train.train_and_evaluate(config(), tmp_path / "whole")
+    make = train.make_train_step
+
+    def killed_at_4(run, t):
+        step, calls = make(run, t), [0]
+
+        def wrapped(*args):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise _Killed()
+            return step(*args)
+        return wrapped
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "make_train_step", killed_at_4)
+        with pytest.raises(_Killed):
+            train.train_and_evaluate(config(), tmp_path / "resumed")
+    assert checkpoint.Checkpointer(tmp_path / "resumed" / "checkpoints", keep=2).all_steps() == [2]
+    train.train_and_evaluate(config(), tmp_path / "resumed")
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    assert sorted(whole) == list(range(1, 6)) and resumed == whole     # bit for bit
+    with pytest.raises(train.ConfigError, match="grad_clip_norm=0"):
+        train.prepare(load_config("gpt_hybrid.py", {"pipeline.schedule": "pipedream"}))
