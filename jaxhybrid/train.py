@@ -238,6 +238,18 @@ def _updates_per_step(pipe) -> int:
     return asynchronous.updates_per_call(pipe.schedule)
 
 
+def initial_state(pipe, t, variables, decay_mask=None) -> dict:
+    """{"variables", "opt_state"} before step 1. An asynchronous schedule's U tasks run
+    the optimizer wrapped for their windows (and SpecTrain's last update): its state is
+    what is trained and checkpointed."""
+    params = variables["params"]
+    opt_init = async_weights.pipeline_optimizer(
+        make_optimizer(t, decay_mask, _updates_per_step(pipe)), pipe.schedule,
+        pipe.num_microbatches).init
+    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
+    return {"variables": variables, "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+
+
 def make_train_step(run: Run, t):
     if asynchronous.is_asynchronous(run.pipe.schedule):
         return _make_async_train_step(run, t)
@@ -365,15 +377,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                      "%s\n%s", config.model.name, config.model.size, pipe.data, pipe.num_stages,
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
-    params = variables["params"]
-    # An asynchronous schedule's U tasks run the optimizer wrapped for their windows
-    # (and SpecTrain's last update): its state is what is trained and checkpointed.
-    opt_init = async_weights.pipeline_optimizer(
-        make_optimizer(t, decay_mask, _updates_per_step(pipe)), pipe.schedule,
-        pipe.num_microbatches).init
-    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params)
-    state = {"variables": variables,
-             "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+    state = initial_state(pipe, t, variables, decay_mask)
 
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     start = 0

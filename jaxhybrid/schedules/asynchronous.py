@@ -19,7 +19,8 @@ and the prediction distance s (`weight_columns`):
               same one. Two buffers suffice when the window is at least the stage's
               in-flight count (checked when the table is built; default: the
               smallest divisor of M that is >= 2S-1, stage 0's in-flight count).
-  spectrain   "predict-v2" (version=2, default): the forward uses W + s u, u the update
+  spectrain   (and "spectrain-v1" = spectrain with version=1, for configs)
+              "predict-v2" (version=2, default): the forward uses W + s u, u the update
               the optimizer applied last (momentum SGD: u = -lr v, the paper's
               W - s lr v), s = D_k the staleness of stage k; the backward reuses the
               predicted weights (stashed). "predict-v1" (version=1): forward s =
@@ -95,6 +96,13 @@ def spectrain(num_stages: int, num_microbatches: int, version: int = 2) -> Sched
         raise ValueError(f"spectrain: version={version!r} must be 1 or 2 (the paper's two "
                          f"choices of s).")
     return _async_table("spectrain", num_stages, num_microbatches, f"predict-v{version}")
+
+
+@register_schedule("spectrain-v1")
+def spectrain_v1(num_stages: int, num_microbatches: int) -> Schedule:
+    """spectrain(version=1) under a name a config's pipeline.schedule can give."""
+    return dataclasses.replace(spectrain(num_stages, num_microbatches, version=1),
+                               name="spectrain-v1")
 
 
 # --- what each task sees --------------------------------------------------------------
