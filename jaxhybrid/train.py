@@ -193,10 +193,12 @@ def _dataset(config, spec, split):
 
 
 # --- optimizer ----------------------------------------------------------------------
-def learning_rate_schedule(t) -> optax.Schedule:
-    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps."""
+def learning_rate_schedule(t, updates_per_step: int = 1) -> optax.Schedule:
+    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps;
+    over updates when a step makes several (asynchronous schedules)."""
+    u = updates_per_step
     return optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1), 0.0)
+        0.0, t.learning_rate, t.warmup_steps * u, max(t.steps * u, t.warmup_steps * u + 1), 0.0)
 
 
 def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
@@ -212,7 +214,7 @@ def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
 def make_optimizer(t, decay_mask=None, updates_per_step: int = 1) -> optax.GradientTransformation:
     """adamw (decoupled weight decay) or sgd + momentum, on the packed params;
     `updates_per_step` > 1 (asynchronous schedules) keeps the learning-rate schedule in
-    steps while the optimizer counts updates."""
+    steps, stretched over the updates the optimizer counts."""
     parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
     if t.optimizer == "adamw":
         parts.append(optax.scale_by_adam())
@@ -220,9 +222,7 @@ def make_optimizer(t, decay_mask=None, updates_per_step: int = 1) -> optax.Gradi
         parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
     if t.optimizer == "sgd" and t.momentum > 0:
         parts.append(optax.trace(decay=t.momentum))
-    lr = learning_rate_schedule(t)
-    parts.append(optax.scale_by_learning_rate(
-        lr if updates_per_step == 1 else lambda count: lr(count // updates_per_step)))
+    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t, updates_per_step)))
     return optax.chain(*parts)
 
 

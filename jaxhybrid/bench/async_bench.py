@@ -10,7 +10,8 @@ make_train_step / evaluate: the path scripts/train.py runs):
   * sync 1f1b: one update per step; a step is --sync_microbatches microbatches of
     update_batch / sync_microbatches examples, flushed;
   * asynchronous: a call streams --async_microbatches microbatches of update_batch
-    examples each, one update per microbatch (per window for 2bw).
+    examples each, one update per microbatch; 2bw: one update per window of
+    microbatches of update_batch / window examples.
 The learning-rate schedule is the same per update (warm-up and cosine over updates).
 Printed per run: final test accuracy (digits: Inception-V3 tiny on scikit-learn
 digits) or test loss (text: GPT on the shipped Python sources), the compiled step's
@@ -36,7 +37,7 @@ from jaxhybrid import data, models, train
 from jaxhybrid.config_flags import load_config
 from jaxhybrid.pipeline import packing, tables
 from jaxhybrid.plan.topology import fmt_bytes
-from jaxhybrid.schedules import asynchronous
+from jaxhybrid.schedules import asynchronous, make_schedule
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tasks", "digits,text", "digits (Inception-V3 tiny, accuracy) and/or text "
@@ -67,9 +68,15 @@ def run_config(task: str, S: int, schedule: str, examples: int):
     b = FLAGS.update_batch
     sync = schedule == "1f1b"
     M = FLAGS.sync_microbatches if sync else FLAGS.async_microbatches
-    per_call = b if sync else b * M
+    # Every update takes update_batch examples: 2bw accumulates a window of microbatches
+    # per update, so its microbatches are update_batch / window examples.
+    per_update = asynchronous.updates_per_call(make_schedule(schedule, S, M))
+    per_call = b * per_update
+    if per_call % M:
+        raise ValueError(f"{schedule}: {per_call} examples per call do not split into {M} "
+                         f"microbatches; change --update_batch or the microbatch counts.")
     steps = max(1, examples // per_call)
-    updates = steps * (1 if sync else M)
+    updates = steps * per_update
     config = load_config(name, {
         **overrides, "mesh.data": 1, "mesh.pipe": S, "pipeline.schedule": schedule,
         "pipeline.num_microbatches": M, "pipeline.remat": "none",
@@ -124,35 +131,35 @@ def run_one(task: str, S: int, schedule: str, examples: int) -> dict:
                 staleness=list(asynchronous.staleness(sched)) if schedule != "1f1b" else [])
 
 
-def print_rows(rows: list) -> None:
-    head = (f"{'task':6} {'S':>2} {'schedule':13} {'updates':>7} {'examples':>8} {'metric':>8} "
-            f"{'train loss':>10} {'temp mem/dev':>12} {'versions/dev':>12} "
-            f"{'CPU-ms/ex':>9} {'vs 1f1b':>7} {'GPU model':>9}")
-    print(head)
-    base = {(r["task"], r["S"]): r["cpu_per_example"] for r in rows if r["schedule"] == "1f1b"}
-    for r in rows:
-        ref = base.get((r["task"], r["S"]))
-        ratio = f"{r['cpu_per_example'] / ref:7.2f}" if ref else f"{'-':>7}"
-        print(f"{r['task']:6} {r['S']:>2} {r['schedule']:13} {r['updates']:>7} {r['examples']:>8} "
-              f"{r['metric']:8.4f} {r['train_loss']:10.4f} {fmt_bytes(r['temp']):>12} "
-              f"{fmt_bytes(r['versions']):>12} {1e3 * r['cpu_per_example']:9.3f} {ratio} "
-              f"{r['model_time']:9.3f}", flush=True)
+def print_header() -> None:
+    print(f"{'task':6} {'S':>2} {'schedule':13} {'updates':>7} {'examples':>8} {'metric':>8} "
+          f"{'train loss':>10} {'temp mem/dev':>12} {'versions/dev':>12} "
+          f"{'CPU-ms/ex':>9} {'vs 1f1b':>7} {'GPU model':>9}", flush=True)
+
+
+def print_row(r: dict, rows: list) -> None:
+    """One run's row; CPU-seconds also as a ratio to 1f1b's of the same task and S."""
+    base = {(q["task"], q["S"]): q["cpu_per_example"] for q in rows if q["schedule"] == "1f1b"}
+    ref = base.get((r["task"], r["S"]))
+    ratio = f"{r['cpu_per_example'] / ref:7.2f}" if ref else f"{'-':>7}"
+    print(f"{r['task']:6} {r['S']:>2} {r['schedule']:13} {r['updates']:>7} {r['examples']:>8} "
+          f"{r['metric']:8.4f} {r['train_loss']:10.4f} {fmt_bytes(r['temp']):>12} "
+          f"{fmt_bytes(r['versions']):>12} {1e3 * r['cpu_per_example']:9.3f} {ratio} "
+          f"{r['model_time']:9.3f}", flush=True)
 
 
 def main(argv) -> None:
     del argv
     rows = []
+    print(f"update batch {FLAGS.update_batch}; sync: {FLAGS.sync_microbatches} microbatches "
+          f"per update; async: {FLAGS.async_microbatches} microbatches per call")
+    print_header()
     for task in FLAGS.tasks:
         examples = FLAGS.examples or TASKS[task][2]
         for S in map(int, FLAGS.stages):
             for schedule in FLAGS.schedules:
                 started = time.time()
                 rows.append(run_one(task, S, schedule, examples))
-                r = rows[-1]
-                print(f"# {task} S={S} {schedule}: {TASKS[task][3][1]} {r['metric']:.4f} "
-                      f"({time.time() - started:.0f} s wall, load {os.getloadavg()[0]:.1f})",
-                      flush=True)
-    print(f"\nupdate batch {FLAGS.update_batch}; sync: {FLAGS.sync_microbatches} microbatches "
-          f"per update; async: {FLAGS.async_microbatches} updates per call; "
-          f"load average {os.getloadavg()}")
-    print_rows(rows)
+                print_row(rows[-1], rows)
+                print(f"#   ({TASKS[task][3][1]}; {time.time() - started:.0f} s wall, load "
+                      f"average {os.getloadavg()[0]:.1f})", flush=True)
