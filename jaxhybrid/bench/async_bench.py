@@ -49,7 +49,8 @@ flags.DEFINE_integer("update_batch", 16, "examples per optimizer update.")
 flags.DEFINE_integer("sync_microbatches", 4, "microbatches per synchronous step.")
 flags.DEFINE_integer("async_microbatches", 16, "microbatches (= updates) per asynchronous call.")
 flags.DEFINE_integer("examples", 0, "training examples per run (0: the task's default).")
-flags.DEFINE_integer("eval_steps", 0, "test batches (0: the whole test split).")
+flags.DEFINE_integer("eval_examples", 0, "test examples, the first of the test split, the "
+                     "same for every run whatever its batch size (0: the whole split).")
 flags.DEFINE_integer("seed", 0, "seed of initialisation, data order and dropout.")
 
 # Per task: config, overrides, default examples, optimizer.
@@ -82,7 +83,7 @@ def run_config(task: str, S: int, schedule: str, examples: int):
         "pipeline.num_microbatches": M, "pipeline.remat": "none",
         "train.batch_size": per_call, "train.steps": steps,
         "train.warmup_steps": max(1, steps // 10), "train.weight_decay": 0.0,
-        "train.grad_clip_norm": 0.0, "train.eval_steps": FLAGS.eval_steps,
+        "train.grad_clip_norm": 0.0, "train.eval_steps": FLAGS.eval_examples and max(1, FLAGS.eval_examples // per_call),
         "train.seed": FLAGS.seed, "train.log_every": steps, "train.eval_every": 0})
     if task == "text":   # 6 blocks: embedding | 6 blocks | head splits 8 ways too
         with config.unlocked():
