@@ -35,6 +35,8 @@ import jaxhybrid as jh
 from jaxhybrid import checkpoint, config_flags, data, distributed, models, startup
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA, PIPE
+from jaxhybrid.pipeline import async_weights
+from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -107,6 +109,12 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
     for name in ("weight_decay", "grad_clip_norm", "momentum"):
         _require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
+    if p.schedule in SCHEDULES and asynchronous.is_asynchronous(make_schedule(p.schedule, 1, 1)):
+        # Its optimizer runs per device inside the pipeline (see docs/async.md).
+        _require(t.grad_clip_norm == 0 and t.weight_decay == 0,
+                 f"pipeline.schedule={p.schedule!r} updates weights inside the pipeline, one "
+                 f"device's buffers at a time: set train.grad_clip_norm=0 and "
+                 f"train.weight_decay=0 (a global clip or packed decay mask needs every stage).")
     c = config.checkpoint
     _require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
              f">= 0 (0: only at the end).")
@@ -215,10 +223,12 @@ def _dataset(config, spec, split):
 
 
 # --- optimizer ----------------------------------------------------------------------
-def learning_rate_schedule(t) -> optax.Schedule:
-    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps."""
+def learning_rate_schedule(t, updates_per_step: int = 1) -> optax.Schedule:
+    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps;
+    over updates when a step makes several (asynchronous schedules)."""
+    u = updates_per_step
     return optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1), 0.0)
+        0.0, t.learning_rate, t.warmup_steps * u, max(t.steps * u, t.warmup_steps * u + 1), 0.0)
 
 
 def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
@@ -252,9 +262,12 @@ def _clip_by_global_norm(max_norm: float, weights) -> optax.GradientTransformati
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(t, decay_mask=None, copy_weights=None) -> optax.GradientTransformation:
+def make_optimizer(t, decay_mask=None, copy_weights=None,
+                   updates_per_step: int = 1) -> optax.GradientTransformation:
     """adamw (decoupled weight decay) or sgd + momentum, on the packed params;
-    `copy_weights` (from `norm_weights`) make gradient clipping count tied copies once."""
+    `copy_weights` (from `norm_weights`) make gradient clipping count tied copies once;
+    `updates_per_step` > 1 (asynchronous schedules) keeps the learning-rate schedule in
+    steps, stretched over the updates the optimizer counts."""
     parts = [_clip_by_global_norm(t.grad_clip_norm, copy_weights)] if t.grad_clip_norm > 0 else []
     if t.optimizer == "adamw":
         parts.append(optax.scale_by_adam())
@@ -262,7 +275,7 @@ def make_optimizer(t, decay_mask=None, copy_weights=None) -> optax.GradientTrans
         parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
     if t.optimizer == "sgd" and t.momentum > 0:
         parts.append(optax.trace(decay=t.momentum))
-    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t)))
+    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t, updates_per_step)))
     return optax.chain(*parts)
 
 
@@ -286,7 +299,26 @@ def norm_weights(pipe, variables):
     return copy_weights(pipe, pipe.splitter.split, variables["params"])
 
 
+def _updates_per_step(pipe) -> int:
+    return asynchronous.updates_per_call(pipe.schedule)
+
+
+def initial_state(pipe, t, variables, masks=(None, None)) -> dict:
+    """{"variables", "opt_state"} before step 1; `masks` = (weight-decay mask, tied-copy
+    norm weights). An asynchronous schedule's U tasks run the optimizer wrapped for their
+    windows (and SpecTrain's last update): its state is what is trained and checkpointed."""
+    params = variables["params"]
+    opt_init = async_weights.pipeline_optimizer(
+        make_optimizer(t, *masks, updates_per_step=_updates_per_step(pipe)), pipe.schedule,
+        pipe.num_microbatches).init
+    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params,
+                                               zero=pipe.zero)
+    return {"variables": variables, "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+
+
 def make_train_step(run: Run, t):
+    if asynchronous.is_asynchronous(run.pipe.schedule):
+        return _make_async_train_step(run, t)
     grad_fn = run.pipe.value_and_grad(run.spec.loss_fn)
 
     def train_step(state, masks, inputs, targets, rng):
@@ -302,6 +334,22 @@ def make_train_step(run: Run, t):
         variables = {**variables, "params": new_params}
         metrics = {"loss": loss, "grad_norm": global_norm(grads, weights),
                    "param_norm": global_norm(variables["params"], weights)}
+        return {"variables": variables, "opt_state": opt_state}, metrics
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def _make_async_train_step(run: Run, t):
+    """The same step for an asynchronous schedule: the optimizer runs inside the
+    pipeline (U tasks after each gradient window); grads are the mean of the
+    microbatch gradients the call applied."""
+    step = run.pipe.train_step(run.spec.loss_fn,
+                               make_optimizer(t, updates_per_step=_updates_per_step(run.pipe)))
+
+    def train_step(state, masks, inputs, targets, rng):   # masks unused: refused up front
+        loss, grads, variables, opt_state = step(state["variables"], state["opt_state"],
+                                                 inputs, targets, rng)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "param_norm": optax.tree.norm(variables["params"])}
         return {"variables": variables, "opt_state": opt_state}, metrics
     return jax.jit(train_step, donate_argnums=0)
 
@@ -411,12 +459,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
     masks = (decay_mask, norm_weights(pipe, variables))
-    params = variables["params"]
-    opt_init = make_optimizer(t, *masks).init
-    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params,
-                                               zero=pipe.zero)
-    state = {"variables": variables,
-             "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+    state = initial_state(pipe, t, variables, masks)
 
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     start = 0

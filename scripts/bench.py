@@ -5,6 +5,7 @@
     python scripts/bench.py projection   # step-time model vs the real engine on this host
     python scripts/bench.py burst        # burst / multiplexed CPU-seconds, device-time check
     python scripts/bench.py sharding     # params / Adam bytes per device: model axis, ZeRO
+    python scripts/bench.py async        # convergence study of the asynchronous schedules
 
 `python scripts/bench.py MODE --help` lists a mode's flags. On a host without GPUs the
 8 simulated CPU devices are set up here, before jax starts.
@@ -17,7 +18,8 @@ MODES = {"pipeline": "jaxhybrid.bench.pipeline_bench",
          "plan": "jaxhybrid.bench.plan_bench",
          "projection": "jaxhybrid.bench.projection_bench",
          "burst": "jaxhybrid.bench.burst_bench",
-         "sharding": "jaxhybrid.bench.sharding_bench"}
+         "sharding": "jaxhybrid.bench.sharding_bench",
+         "async": "jaxhybrid.bench.async_bench"}
 
 
 def main() -> None:

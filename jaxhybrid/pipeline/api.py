@@ -16,10 +16,11 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
-from jaxhybrid.pipeline import model_shards, packing, programs, runtime, tables, zero
+from jaxhybrid.pipeline import async_weights, model_shards, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
+from jaxhybrid.schedules.asynchronous import synchronous_view
 
 PyTree = Any
 
@@ -99,6 +100,10 @@ class Pipeline:
             raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
                              f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
         self.schedule = make_schedule(schedule, self.pipe_size, self.num_microbatches, **options)
+        if self.zero and self.schedule.weights != "sync":
+            raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
+                             f"schedule {self.schedule.name!r} updates per gradient window "
+                             f"(weight versions per replica): use zero=0 with it.")
         # A "stage" is a piece of the model: S x v of them with v virtual stages per device.
         self.num_stages = self.schedule.num_stages
         L, S = len(self.layers), self.num_stages
@@ -392,9 +397,15 @@ class Pipeline:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)
         rng_aval = jax.ShapeDtypeStruct(rng.shape, rng.dtype) if rng is not None else None
         lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval)
-        sched = self.schedule.with_updates() if optimizer is not None else self.schedule
-        job = runtime.Job(eng, lay, loss_fn, train, rng is not None, sched.split_backward)
-        return runtime.train_program(job, self._control(sched), optimizer)
+        # Without an optimizer an asynchronous schedule computes the gradient of the
+        # current weights (its table without U tasks).
+        sched = (self.schedule.with_updates() if optimizer is not None
+                 else synchronous_view(self.schedule))
+        job = runtime.Job(eng, lay, loss_fn, train, rng is not None, sched.split_backward,
+                          sched.weights)
+        return runtime.train_program(job, self._control(sched), optimizer and
+                                     async_weights.pipeline_optimizer(optimizer, sched,
+                                                                      self.num_microbatches))
 
     def _run_step(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng):
         with tensor_parallel.degree(self.model):   # layers trace at their local shapes
@@ -444,7 +455,10 @@ class Pipeline:
 
     def init_optimizer(self, optimizer, variables: dict):
         """`optimizer.init` on the packed parameters (slots sharded like them; with
-        zero=1 also over "data", see `jaxhybrid.pipeline.zero`)."""
+        zero=1 also over "data", see `jaxhybrid.pipeline.zero`); for an asynchronous
+        schedule, of the optimizer its U tasks run (`async_weights`)."""
+        optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
+                                                     self.num_microbatches)
         if self.zero:
             return zero.init_optimizer(optimizer, variables["params"], self.mesh,
                                        self.stage_spec)

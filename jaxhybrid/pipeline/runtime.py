@@ -32,7 +32,7 @@ from jax import lax
 
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing, zero
+from jaxhybrid.pipeline import async_weights, packing, zero
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
 from jaxhybrid.pipeline.stages import merge_float, split_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
@@ -96,6 +96,10 @@ class Carry:
     loss: jax.Array
     params: dict
     opt_state: Any
+    # Asynchronous schedules (`async_weights`): the weight version ring, and the sum
+    # of the gradients U tasks have applied (what the call returns as its gradient).
+    versions: Any = None
+    applied: Any = None
 
 
 def _floats(tree: PyTree) -> list:
@@ -210,6 +214,7 @@ class Job:
     train: bool
     has_rng: bool
     split: bool
+    weights: str = "sync"      # the schedule's weight policy (schedules.asynchronous)
 
 
 def _stage_vars(stage: Stage, p_bufs: dict, st_bufs: dict):
@@ -308,28 +313,32 @@ class Device:
 def _forward_slot(job: Job, dev: Device, c: Carry, row):
     k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
 
-    def busy(stash, state, loss):
+    def busy(stash, state, loss, versions):
+        weights, versions = async_weights.forward_weights(job.weights, dev.params_of(c),
+                                                          versions, c.opt_state, row)
         act, res, state, l = lax.switch(
-            jnp.maximum(k, 0), dev.branches["F"], dev.params_of(c), state,
+            jnp.maximum(k, 0), dev.branches["F"], weights, state,
             _row(c.act_in, row[COL["f_act"]]), _take(dev.inputs, m), _take(dev.targets, m),
             dev.d * job.eng.num_microbatches + m, dev.rng)
-        return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l
+        return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l, versions
 
-    def idle(stash, state, loss):
-        return packing.zeros(job.lay.act_len), stash, state, loss
+    def idle(stash, state, loss, versions):
+        return packing.zeros(job.lay.act_len), stash, state, loss, versions
 
     # An idle slot neither runs a stage nor writes a (zero) residual row: with one task
     # per tick (zero-bubble tables) most slots of a kind are idle.
-    act, stash, state, loss = lax.cond(k >= 0, busy, idle, c.stash, c.state, c.loss)
-    return c.replace(stash=stash, state=state, loss=loss), act
+    act, stash, state, loss, versions = lax.cond(k >= 0, busy, idle, c.stash, c.state, c.loss,
+                                                 c.versions)
+    return c.replace(stash=stash, state=state, loss=loss, versions=versions), act
 
 
 def _backward_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["b_stage"]]
 
     def busy(acc, cross_buf, res, g_in):
-        g_out, g_p, cross = lax.switch(jnp.maximum(k, 0), dev.branches["B"], dev.params_of(c),
-                                       res, g_in)
+        weights = async_weights.backward_weights(job.weights, dev.params_of(c), c.versions,
+                                                 c.opt_state, row)
+        g_out, g_p, cross = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights, res, g_in)
         if job.split:   # a split B leaves the parameter gradient to W: no add
             return g_out, acc, _set_row(cross_buf, row[COL["b_cross"]], cross)
         return g_out, {n: acc[n] + g_p[n] for n in acc}, cross_buf
@@ -364,14 +373,21 @@ def _update_slot(job: Job, dev: Device, c: Carry, row):
     # Gradients averaged over data replicas here, at tick level (outside the cond).
     grads = {n: data_mean(job.eng.data, v) for n, v in c.acc.items()}
 
-    def busy(params, opt_state):
+    def busy(params, opt_state, acc, applied, versions):
         import optax
         updates, opt_state = dev.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        params = optax.apply_updates(params, updates)
+        if applied is not None:   # asynchronous: the next window starts from zero
+            applied = {n: applied[n] + acc[n] for n in acc}
+            acc = {n: jnp.zeros_like(v) for n, v in acc.items()}
+        return params, opt_state, acc, applied, async_weights.after_update(
+            job.weights, params, versions, row)
 
-    params, opt_state = lax.cond(row[COL["u_stage"]] >= 0, busy, lambda p, o: (p, o),
-                                 c.params, c.opt_state)
-    return c.replace(params=params, opt_state=opt_state)
+    params, opt_state, acc, applied, versions = lax.cond(
+        row[COL["u_stage"]] >= 0, busy, lambda *a: a, c.params, c.opt_state, c.acc, c.applied,
+        c.versions)
+    return c.replace(params=params, opt_state=opt_state, acc=acc, applied=applied,
+                     versions=versions)
 
 
 def _send(values: dict, channel, boxes: dict, slot) -> dict:
@@ -440,7 +456,10 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                   acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
                   state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.float32(0),
                   params=p_bufs if optimizer is not None else None,
-                  opt_state=jax.tree.map(_squeeze, opt_state))
+                  opt_state=jax.tree.map(_squeeze, opt_state),
+                  versions=async_weights.initial_versions(job.weights, sizes["versions"], p_bufs),
+                  applied=(None if job.weights == "sync" else
+                           {k: jnp.zeros_like(v) for k, v in p_bufs.items()}))
         # One scan per phase (warm-up, steady state, cool-down): a tick in which no device
         # runs a backward has no backward switch, gradient add or gradient ppermute, etc.
         for phase in ctl.phases:
@@ -448,7 +467,8 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                             jnp.arange(phase.start, phase.stop))
         mean = functools.partial(data_mean, job.eng.data)
         loss = mean(lax.psum(c.loss, PIPE))
-        grads = {k: mean(v)[None] for k, v in c.acc.items()}
+        acc = c.acc if c.applied is None else {k: c.applied[k] + v for k, v in c.acc.items()}
+        grads = {k: mean(v)[None] for k, v in acc.items()}
         state = {col: {k: mean(v)[None] for k, v in b.items()} for col, b in c.state.items()}
         return (loss, grads, state, {k: v[None] for k, v in dev.params_of(c).items()},
                 jax.tree.map(_unsqueeze, c.opt_state))

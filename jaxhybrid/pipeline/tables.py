@@ -19,12 +19,14 @@ import dataclasses
 import numpy as np
 
 from jaxhybrid.schedules import IDLE, Schedule, TaskType
+from jaxhybrid.schedules.asynchronous import WEIGHT_COLUMNS, weight_columns
 
-# Columns of the control table.
+# Columns of the control table (WEIGHT_COLUMNS: the weight version / prediction of each
+# task of an asynchronous schedule).
 COLUMNS = ("f_stage", "f_mb", "f_act", "f_stash",
            "b_stage", "b_mb", "b_grad", "b_stash", "b_cross",
            "w_stage", "w_mb", "w_grad", "w_stash", "w_cross",
-           "u_stage")
+           "u_stage", *WEIGHT_COLUMNS)
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -69,6 +71,7 @@ def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
     S, K, T = sched.num_devices, sched.num_stages, sched.num_ticks
     dev = sched.stage_device
     (act_slot, grad_slot, stash_slot, cross_slot), sizes = sched.ring_slots()
+    sizes = dict(sizes)   # ring_slots is cached: add the version ring to a copy
     act_edges = [(dev[k - 1], dev[k]) for k in range(1, K)]
     grad_edges = [(dev[k + 1], dev[k]) for k in range(K - 1)]
     act_ch, grad_ch = _channels(sched, act_edges), _channels(sched, grad_edges)
@@ -106,6 +109,9 @@ def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
                     grad_slot[(dev[k - 1], (k - 1, m))]
         else:
             row[COL["u_stage"]] = k
+    weights, sizes["versions"] = weight_columns(sched, stash_slot, sizes["stash"])
+    for name, values in weights.items():
+        tab[..., COL[name]] = values
     return ControlTable(tab, act_recv, grad_recv, act_ch, grad_ch, sizes,
                         tuple(_phases(sched, tab, act_recv, grad_recv, sizes, max_phases)))
 

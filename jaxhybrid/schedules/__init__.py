@@ -39,15 +39,22 @@ num_microbatches, **options)`, where `num_stages` is the pipeline depth in devic
   zbv          zero-bubble V-shape (Qi et al.): 2 stages per device, d and 2S-1-d;
                half-size stages halve the fill; residual + cotangent rows <= 3S
                half-stages (1.5S stages' worth, below 1f1b's 2S-1).
+Asynchronous (`jaxhybrid.schedules.asynchronous`; no flush between updates, U after
+each backward window; the `weights` field says which weights a task sees):
+  async        naive: forwards and backwards use the newest weights.
+  pipedream    weight stashing: a backward uses its forward's weights.
+  2bw          two versions, gradients accumulated over a window (PipeDream-2BW).
+  spectrain    weight prediction W + s u from the optimizer's last update.
 (ZB-H2's extra warm-up cannot shorten a lock-step table: the last device cannot start
 before tick S-1, which already bounds zb-h1; so it is not offered.)
 Each is a device-order policy placed on ticks by one greedy placer (`place_tasks`).
 """
 from jaxhybrid.schedules.builders import (SCHEDULE_NAMES, SCHEDULES, forward_schedule,
                                           make_schedule, one_f_one_b_warmup, register_schedule)
+from jaxhybrid.schedules import asynchronous   # registers async, pipedream, 2bw, spectrain
 from jaxhybrid.schedules.placer import ScheduleDeadlock, place_tasks
 from jaxhybrid.schedules.tasks import IDLE, Schedule, Task, TaskType
 
 __all__ = ["IDLE", "SCHEDULES", "SCHEDULE_NAMES", "Schedule", "ScheduleDeadlock", "Task",
-           "TaskType", "forward_schedule", "make_schedule", "one_f_one_b_warmup", "place_tasks",
+           "TaskType", "asynchronous", "forward_schedule", "make_schedule", "one_f_one_b_warmup", "place_tasks",
            "register_schedule"]

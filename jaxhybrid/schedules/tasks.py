@@ -48,6 +48,10 @@ class Schedule:
     split_backward: bool = False
     forward_only: bool = False
     options: tuple = ()          # the builder's options, ((name, value), ...)
+    # Which weights each task sees: "sync" (one version per step), or an asynchronous
+    # policy of `jaxhybrid.schedules.asynchronous` (U tasks then name the last microbatch
+    # of the gradient window they apply).
+    weights: str = "sync"
 
     @property
     def num_stages(self) -> int:
@@ -219,7 +223,10 @@ class Schedule:
             if kind == TaskType.U:   # updates every stage of its device
                 last, d = kinds[-1], self.stage_device[k]
                 mine = [j for j in range(K) if self.stage_device[j] == d]
-                if any(when[(last, j, i)] > t for j in mine for i in range(M)):
+                # A step's U waits for every backward; an asynchronous U for that of
+                # the microbatch it names (the last of its gradient window).
+                upto = range(M) if m == IDLE else (m,)
+                if any(when[(last, j, i)] > t for j in mine for i in upto):
                     raise err(f"U of device {d} at tick {t} before its last backward")
 
     # --- pictures --------------------------------------------------------------------
