@@ -96,7 +96,8 @@ def test_runtime_runs_without_a_pipeline_object():
 
 
 @pytest.mark.parametrize("schedule,data,pipe_size", [("1f1b", 2, 2), ("zb-h1", 1, 4),
-                                                     ("interleaved", 1, 2), ("zbv", 2, 2)])
+                                                     ("interleaved", 1, 2), ("zbv", 2, 2),
+                                                     ("1f1b", 2, 1)])
 def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size):
     M = 3
     stages = make_schedule(schedule, pipe_size, M).num_stages
@@ -104,7 +105,9 @@ def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size)
                        schedule=schedule, boundaries=even_boundaries(len(LAYERS), stages),
                        remat="none")
     variables = pipe.pack(_per_layer())
-    tx = optax.adamw(1e-2, weight_decay=1e-3)
+    # eps well above float32 noise: a few parameters get ~1e-9 gradients, where Adam's
+    # m / (sqrt(v) + 1e-8) turns last-bit differences of summation order into O(lr) steps.
+    tx = optax.adamw(1e-2, eps=1e-4, weight_decay=1e-3)
     opt = pipe.init_optimizer(tx, variables)
     inputs, labels = mm.make_batch(data * M * 2, seed=5)
     assert any(t.kind == TaskType.U for t in pipe.schedule.with_updates().tasks)
@@ -114,6 +117,8 @@ def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size)
     updates, ref_opt = tx.update(ref_grads, opt, variables["params"])
     ref_params = optax.apply_updates(variables["params"], updates)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves((new_vars, new_opt)), jax.tree.leaves(
             ({**ref_vars, "params": ref_params}, ref_opt))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

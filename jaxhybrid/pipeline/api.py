@@ -473,12 +473,9 @@ class Pipeline:
         self._require_vars()
 
         def _step(variables, opt_state, inputs, targets, rng=None):
+            # Every pipeline depth (one stage too) runs the optimizer as U tasks.
             loss, grads, new_state, params, opt_state = self._run_step(
                 loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng)
-            if self.num_stages == 1:   # the one-stage program has no U tasks
-                import optax
-                updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
-                params = optax.apply_updates(variables["params"], updates)
             return loss, grads, {**variables, **new_state, "params": params}, opt_state
 
         jitted = jax.jit(_step)
