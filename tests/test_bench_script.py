@@ -12,7 +12,7 @@ def test_pipeline_bench_prints_every_table():
         [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "pipeline", "--blocks=3",
          "--width=64", "--microbatch=4", "--repeats=1", "--memory_m=4,8",
          "--memory_schedules=gpipe,1f1b,zb-h1", "--padding_models=gpt", "--speed_widths=64",
-         "--speed_schedules=1f1b,zb-h1", "--speed_m=8"],
+         "--speed_schedules=1f1b,zb-h1", "--speed_microbatches=4,8", "--speed_m=8"],
         capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
@@ -21,7 +21,8 @@ def test_pipeline_bench_prints_every_table():
     assert re.search(r"1f1b: temp memory M=8 / M=4 = \d+\.\d\dx", out)
     assert re.search(r"zb-h1: temp memory M=8 / M=4 = \d+\.\d\dx", out)
     assert re.search(r"gpt\s+layers=\s*4 boundaries=\[\d+, \d+, \d+\] .*padding=\d+\.\d%", out)
-    for schedule in ("1f1b", "zb-h1"):
-        assert re.search(schedule + r" M=8 mlp w=64 mb=4\s+[\d.]+ ms\s+[\d.]+ ms\s+[\d.]+x\s+"
-                         r"[\d.]+ ms\s+[\d.]+x", out)
+    for schedule in ("1f1b", "zb-h1"):     # the Dense+tanh stack at both microbatch sizes
+        for mb in (4, 8):
+            assert re.search(schedule + rf" M=8 tanh w=64 mb={mb}\s+[\d.]+ ms\s+[\d.]+ ms\s+"
+                             r"[\d.]+x\s+[\d.]+ ms\s+[\d.]+x", out)
     assert re.search(r"1x1 pipeline vs plain jax.jit \(mlp\): CPU-seconds .* ratio [\d.]+x; wall", out)
