@@ -1,6 +1,9 @@
 """A small heterogeneous model for pipeline tests: Dense, Conv, LayerNorm, BatchNorm,
 dropout, and dict / tuple activations that carry an integer array beside floats."""
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,6 +59,15 @@ class Head(nn.Module):
 
 def make_layers(num_mix: int = 4):
     return [ConvIn(), ConvBlock(8), Flatten(), *[Mix(24) for _ in range(num_mix)], Head(5)]
+
+
+@functools.lru_cache(maxsize=None)
+def initial_per_layer() -> list:
+    """Per-layer variables of `make_layers()` from key 0 (one set shared by the tests)."""
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    pipe = jp.Pipeline(make_layers(), mesh=jh.make_mesh(data=1, pipe=1))
+    return pipe.unpack(pipe.init(jax.random.key(0), make_batch(2)[0]))
 
 
 def loss_fn(logits, labels):

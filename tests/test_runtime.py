@@ -1,6 +1,5 @@
 """The runtime as plain functions: driven without a `Pipeline` where that is the point,
 the B/W split's jaxprs, and U tasks (the optimizer inside the pipeline)."""
-import functools
 
 import flax.linen as nn
 import jax
@@ -19,12 +18,6 @@ import mixed_model as mm
 
 LAYERS = mm.make_layers()
 RNG = jax.random.key(3)
-
-
-@functools.lru_cache(maxsize=None)
-def _per_layer():
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
-    return pipe.unpack(pipe.init(jax.random.key(0), mm.make_batch(2)[0]))
 
 
 def test_weight_half_runs_no_forward_and_repeats_no_input_gradient_op():
@@ -58,7 +51,7 @@ def test_weight_half_runs_no_forward_and_repeats_no_input_gradient_op():
 def test_split_pipeline_weight_branches_run_no_forward_op():
     pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
                        schedule="zb-h1", boundaries=[4], remat="none")
-    pipe.pack(_per_layer())
+    pipe.pack(mm.initial_per_layer())
     inputs, labels = mm.make_batch(4)
     mb_in = pipe._microbatch(inputs, "inputs")
     mb_tg = pipe._microbatch(labels, "targets")
@@ -74,7 +67,7 @@ def test_runtime_runs_without_a_pipeline_object():
     # The tick program is built from explicit values: engine, layouts, control table.
     pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
                        schedule="1f1b", boundaries=[4], remat="none")
-    variables = pipe.pack(_per_layer())
+    variables = pipe.pack(mm.initial_per_layer())
     eng = pipe.engine()
     del pipe   # nothing below reads it
     inputs, labels = mm.make_batch(4)
@@ -90,7 +83,7 @@ def test_runtime_runs_without_a_pipeline_object():
         in_specs=(P("pipe"), P("pipe"), P(), P("data"), P("data"), P()),
         out_specs=(P(), P("pipe"), P("pipe"), P("pipe"), P()), check_vma=False))(
         variables["params"], state, None, inputs, labels, jnp.zeros((2,), jnp.uint32))
-    ref = jp.reference_value_and_grad(LAYERS, _per_layer(), mm.loss_fn, inputs, labels,
+    ref = jp.reference_value_and_grad(LAYERS, mm.initial_per_layer(), mm.loss_fn, inputs, labels,
                                       num_microbatches=2, train=False)
     np.testing.assert_allclose(float(loss), float(ref[0]), rtol=1e-5)
 
@@ -104,7 +97,7 @@ def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size)
     pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=data, pipe=pipe_size), num_microbatches=M,
                        schedule=schedule, boundaries=even_boundaries(len(LAYERS), stages),
                        remat="none")
-    variables = pipe.pack(_per_layer())
+    variables = pipe.pack(mm.initial_per_layer())
     # eps well above float32 noise: a few parameters get ~1e-9 gradients, where Adam's
     # m / (sqrt(v) + 1e-8) turns last-bit differences of summation order into O(lr) steps.
     tx = optax.adamw(1e-2, eps=1e-4, weight_decay=1e-3)

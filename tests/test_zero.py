@@ -1,6 +1,5 @@
 """ZeRO over "data" (zero=1): the optimizer state sharded over the data replicas gives the
 replicated update's numbers, and each device holds 1 / (pipe x data) of it."""
-import functools
 
 import jax
 import numpy as np
@@ -19,12 +18,6 @@ LAYERS = mm.make_layers()
 RNG = jax.random.key(3)
 
 
-@functools.lru_cache(maxsize=None)
-def _per_layer():
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
-    return pipe.unpack(pipe.init(jax.random.key(0), mm.make_batch(2)[0]))
-
-
 def _pipeline(schedule, data, pipe_size, M, zero_level):
     stages = make_schedule(schedule, pipe_size, M).num_stages
     return jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=data, pipe=pipe_size), num_microbatches=M,
@@ -33,7 +26,7 @@ def _pipeline(schedule, data, pipe_size, M, zero_level):
 
 
 def _steps(pipe, tx, n, data, M):
-    variables = pipe.pack(_per_layer())
+    variables = pipe.pack(mm.initial_per_layer())
     opt = pipe.init_optimizer(tx, variables)
     step = pipe.train_step(mm.loss_fn, tx)
     losses = []
