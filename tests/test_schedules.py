@@ -2,6 +2,7 @@
 figures the tables promise, control tables, and the runtime's B/W split and U tasks."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxhybrid import schedules as sc
@@ -163,31 +164,30 @@ def test_control_table_slots_never_clobber_live_values(name, S, M):
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_phases_cover_the_table(name):
+def test_tick_flags_gate_exactly_the_ticks_with_transfers_and_updates(name):
+    # The runtime issues a tick's collectives only under these flags: a flag that is
+    # off in a tick where some device sends would drop a value; one that is on where
+    # nobody sends costs a collective for nothing.
     s = make_schedule(name, 4, 8)
-    phases = tables.control_table(s).phases
-    assert phases[0].start == 0 and phases[-1].stop == s.num_ticks
-    assert all(a.stop == b.start for a, b in zip(phases, phases[1:]))
-    for p in phases:
-        for t in s.tasks:
-            if p.start <= t.tick < p.stop:
-                assert t.kind in p.kinds
-    assert len(phases) <= 4
-    if name in ("gpipe", "1f1b"):   # warm-up runs no backward, cool-down no forward
-        assert TaskType.B not in phases[0].kinds and TaskType.F not in phases[-1].kinds
-
-
-def test_alternating_table_runs_as_one_phase():
-    # Forward-only and backward-only ticks alternating would make one scan (one compiled
-    # copy of every stage) per run of ticks; such a table runs as a single phase.
-    tasks = [Task(0, 0, TaskType.F, 0, 0), Task(1, 1, TaskType.F, 1, 0),
-             Task(1, 1, TaskType.B, 1, 0), Task(2, 0, TaskType.B, 0, 0),
-             Task(3, 0, TaskType.F, 0, 1), Task(4, 1, TaskType.F, 1, 1),
-             Task(4, 1, TaskType.B, 1, 1), Task(5, 0, TaskType.B, 0, 1)]
-    s = Schedule("alt", 2, 2, (0, 1), tuple(tasks))
-    s.validate()
-    phases = tables.control_table(s, max_phases=3).phases
-    assert len(phases) == 1 and {TaskType.F, TaskType.B} <= phases[0].kinds
+    ctl = tables.control_table(s)
+    dev = s.stage_device
+    act = np.zeros_like(ctl.act_send)
+    grad = np.zeros_like(ctl.grad_send)
+    upd = np.zeros(s.num_ticks, bool)
+    for t in s.tasks:
+        if t.kind == TaskType.F and t.stage < s.num_stages - 1:
+            act[t.tick, [c.shift for c in ctl.act_channels].index(
+                (dev[t.stage + 1] - dev[t.stage]) % s.num_devices)] = True
+        if t.kind == TaskType.B and t.stage > 0:
+            grad[t.tick, [c.shift for c in ctl.grad_channels].index(
+                (dev[t.stage - 1] - dev[t.stage]) % s.num_devices)] = True
+        upd[t.tick] |= t.kind == TaskType.U
+    np.testing.assert_array_equal(ctl.act_send, act)
+    np.testing.assert_array_equal(ctl.grad_send, grad)
+    np.testing.assert_array_equal(ctl.update_tick, upd)
+    assert ctl.kinds == {t.kind for t in s.tasks}
+    if name in ("gpipe", "1f1b"):   # the warm-up moves no gradients
+        assert not ctl.grad_send[0].any()
 
 
 def test_docs_example_registers_a_new_schedule():

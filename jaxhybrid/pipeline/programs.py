@@ -52,6 +52,7 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
         p_bufs, st_bufs = _local(p_bufs), {c: _local(b) for c, b in st_bufs.items()}
         inputs = _split_microbatches(inputs, M)
         table, act_recv = jnp.asarray(ctl.table), jnp.asarray(ctl.act_recv)
+        act_send = jnp.asarray(ctl.act_send)
 
         def tick(c, t):
             row = table[t, s]
@@ -62,7 +63,7 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
             box = _set_row(c["out"], jnp.where(k == K - 1, m, M), out)
             act_in = c["act_in"]
             for i, ch in enumerate(ctl.act_channels):
-                act_in = _send(act, ch, act_in, act_recv[t, s, i])
+                act_in = _send(act, ch, act_in, act_recv[t, s, i], act_send[t, i])
             return dict(act_in=act_in, out=box), None
 
         c = dict(act_in=packing.zeros(lay.act_len, (ctl.sizes["act"] + 1,)),

@@ -3,7 +3,7 @@
 Everything is an explicit value: the stages (`Stage`: how to run one, where its
 variables sit in its device's buffers), the boundary layouts (`StageLayouts`), the
 control table (`tables.ControlTable`) and the carry (`Carry`). Per device (data replica,
-pipe position) the program is one `lax.scan` per phase of the table; in tick t the
+pipe position) the program is one `lax.scan` over the table's ticks; in tick t the
 device reads its row and runs
   F: lax.cond(busy) around a switch over F_0 .. F_{K-1} (a device only takes its own):
      the stage under `jax.vjp`, residuals (minus parameters) into a stash ring, the
@@ -14,10 +14,16 @@ device reads its row and runs
      the accumulator;
   W: lax.cond(busy): the weight-gradient half from stash + cotangents;
   U: lax.cond(busy): the optimizer on the device's buffers (gradients averaged over
-     "data" at tick level first);
-then one `ppermute` per transfer channel and kind (activations, gradients). Collectives
-sit at tick level, outside every switch and cond, so all devices issue the same
-collectives in the same order.
+     "data" first);
+then one `ppermute` per transfer channel and kind (activations, gradients).
+
+Collectives are never under a device's own row: each is issued under a flag of the
+tick alone (`ControlTable.act_send`, `grad_send`, `update_tick`: does *some* device send
+on this channel / run a U task in this tick), the same on every device, so all devices
+issue the same collectives in the same order and none waits for a peer that skipped.
+The gate keeps ticks where nobody sends from paying a collective (warm-up ticks have
+no gradients to move, most ticks no update) while the whole table stays one scan: one
+compiled copy of every stage's F, B and W, whatever the table's shape.
 """
 from __future__ import annotations
 
@@ -305,6 +311,9 @@ class Device:
     branches: dict
     optimizer: Any
     params: dict            # the parameter buffers when no U task changes them
+    act_send: jax.Array     # [ticks, channels] bool (the same on every device)
+    grad_send: jax.Array
+    update_tick: jax.Array  # [ticks] bool
 
     def params_of(self, c: "Carry") -> dict:
         return self.params if c.params is None else c.params
@@ -367,10 +376,15 @@ def _weight_slot(job: Job, dev: Device, c: Carry, row):
     return c.replace(acc=acc)
 
 
-def _update_slot(job: Job, dev: Device, c: Carry, row):
-    if job.eng.zero and job.eng.data > 1:
-        return zero.update_slot(job, dev, c, row)
-    # Gradients averaged over data replicas here, at tick level (outside the cond).
+def _update_slot(job: Job, dev: Device, c: Carry, row, t):
+    """U: gated by the tick's flag (some device updates now), so the data collectives
+    (gradient mean, or ZeRO's reduce-scatter + all-gather) run only in update ticks."""
+    update = functools.partial(zero.update_slot if job.eng.zero and job.eng.data > 1
+                               else _replicated_update, job, dev, row=row)
+    return lax.cond(dev.update_tick[t], update, lambda c: c, c)
+
+
+def _replicated_update(job: Job, dev: Device, c: Carry, row) -> Carry:
     grads = {n: data_mean(job.eng.data, v) for n, v in c.acc.items()}
 
     def busy(params, opt_state, acc, applied, versions):
@@ -390,32 +404,38 @@ def _update_slot(job: Job, dev: Device, c: Carry, row):
                      versions=versions)
 
 
-def _send(values: dict, channel, boxes: dict, slot) -> dict:
-    """Moves a device's output over one channel and files what arrives at `slot`."""
-    got = values if not channel.perm else {n: lax.ppermute(v, PIPE, channel.perm)
-                                           for n, v in values.items()}
-    return _set_row(boxes, slot, got)
+def _send(values: dict, channel, boxes: dict, slot, sending) -> dict:
+    """Moves a device's output over one channel and files what arrives at `slot`, in
+    ticks where some device sends on it (`sending`: the tick's flag, not the device's)."""
+    def move(boxes):
+        got = values if not channel.perm else {n: lax.ppermute(v, PIPE, channel.perm)
+                                               for n, v in values.items()}
+        return _set_row(boxes, slot, got)
+    return lax.cond(sending, move, lambda boxes: boxes, boxes)
 
 
-def tick(c: Carry, t, *, job: Job, dev: Device, phase) -> tuple[Carry, None]:
+def tick(c: Carry, t, *, job: Job, dev: Device, kinds) -> tuple[Carry, None]:
     """One lock-step tick: F, B, W, U slots of this device, then the transfers."""
     row = lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(dev.table, t, keepdims=False),
                                    dev.s, keepdims=False)
-    if TaskType.F in phase.kinds:
+    if TaskType.F in kinds:
         c, act = _forward_slot(job, dev, c, row)
-    if TaskType.B in phase.kinds:
+    if TaskType.B in kinds:
         c, g_out = _backward_slot(job, dev, c, row)
-    if TaskType.W in phase.kinds:
+    if TaskType.W in kinds:
         c = _weight_slot(job, dev, c, row)
-    if TaskType.U in phase.kinds:
-        c = _update_slot(job, dev, c, row)
+    if TaskType.U in kinds:
+        c = _update_slot(job, dev, c, row, t)
     recv = lambda table, i: lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(
         table, t, keepdims=False), dev.s, keepdims=False)[i]
-    for i in phase.act_channels:
-        c = c.replace(act_in=_send(act, dev.ctl.act_channels[i], c.act_in, recv(dev.act_recv, i)))
-    for i in phase.grad_channels:
-        c = c.replace(grad_in=_send(g_out, dev.ctl.grad_channels[i], c.grad_in,
-                                    recv(dev.grad_recv, i)))
+    if TaskType.F in kinds:
+        for i, ch in enumerate(dev.ctl.act_channels):
+            c = c.replace(act_in=_send(act, ch, c.act_in, recv(dev.act_recv, i),
+                                       dev.act_send[t, i]))
+    if TaskType.B in kinds:
+        for i, ch in enumerate(dev.ctl.grad_channels):
+            c = c.replace(grad_in=_send(g_out, ch, c.grad_in, recv(dev.grad_recv, i),
+                                        dev.grad_send[t, i]))
     return c, None
 
 
@@ -446,7 +466,8 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
         dev = Device(lax.axis_index(PIPE), lax.axis_index(DATA), ctl, jnp.asarray(ctl.table),
                      jnp.asarray(ctl.act_recv), jnp.asarray(ctl.grad_recv),
                      _split_microbatches(inputs, M), _split_microbatches(targets, M), rng,
-                     branches, optimizer, p_bufs)
+                     branches, optimizer, p_bufs, jnp.asarray(ctl.act_send),
+                     jnp.asarray(ctl.grad_send), jnp.asarray(ctl.update_tick))
         c = Carry(act_in=packing.zeros(lay.act_len, (sizes["act"] + 1,)),
                   grad_in=packing.zeros(lay.grad_len, (sizes["grad"] + 1,)),
                   # Stashes are written only by busy slots: no dummy row (inboxes take a
@@ -460,11 +481,8 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                   versions=async_weights.initial_versions(job.weights, sizes["versions"], p_bufs),
                   applied=(None if job.weights == "sync" else
                            {k: jnp.zeros_like(v) for k, v in p_bufs.items()}))
-        # One scan per phase (warm-up, steady state, cool-down): a tick in which no device
-        # runs a backward has no backward switch, gradient add or gradient ppermute, etc.
-        for phase in ctl.phases:
-            c, _ = lax.scan(functools.partial(tick, job=job, dev=dev, phase=phase), c,
-                            jnp.arange(phase.start, phase.stop))
+        c, _ = lax.scan(functools.partial(tick, job=job, dev=dev, kinds=ctl.kinds), c,
+                        jnp.arange(ctl.table.shape[0]))
         mean = functools.partial(data_mean, job.eng.data)
         loss = mean(lax.psum(c.loss, PIPE))
         acc = c.acc if c.applied is None else {k: c.applied[k] + v for k, v in c.acc.items()}

@@ -39,16 +39,6 @@ class Channel:
 
 
 @dataclasses.dataclass(frozen=True)
-class Phase:
-    """Ticks [start, stop) compiled as one scan, with the kinds of work some device does."""
-    start: int
-    stop: int
-    kinds: frozenset              # TaskTypes run in these ticks
-    act_channels: tuple           # indices of activation channels used
-    grad_channels: tuple
-
-
-@dataclasses.dataclass(frozen=True)
 class ControlTable:
     table: np.ndarray             # [ticks, devices, len(COLUMNS)] int32
     act_recv: np.ndarray          # [ticks, devices, channels] slot for arriving activations
@@ -56,7 +46,13 @@ class ControlTable:
     act_channels: tuple
     grad_channels: tuple
     sizes: dict                   # ring sizes: act, grad, stash, cross
-    phases: tuple
+    kinds: frozenset              # TaskTypes some device runs (a slot per kind per tick)
+    # Per tick, the same on every device: whether some device sends over activation /
+    # gradient channel c, and whether some device runs a U task. The runtime issues a
+    # tick's collectives under these flags only, so every device agrees on them.
+    act_send: np.ndarray          # [ticks, channels] bool
+    grad_send: np.ndarray         # [ticks, channels] bool
+    update_tick: np.ndarray       # [ticks] bool
 
 
 def _channels(sched: Schedule, edges: list) -> tuple:
@@ -67,7 +63,7 @@ def _channels(sched: Schedule, edges: list) -> tuple:
                  for sh in shifts)
 
 
-def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
+def control_table(sched: Schedule) -> ControlTable:
     S, K, T = sched.num_devices, sched.num_stages, sched.num_ticks
     dev = sched.stage_device
     (act_slot, grad_slot, stash_slot, cross_slot), sizes = sched.ring_slots()
@@ -112,28 +108,8 @@ def control_table(sched: Schedule, max_phases: int = 4) -> ControlTable:
     weights, sizes["versions"] = weight_columns(sched, stash_slot, sizes["stash"])
     for name, values in weights.items():
         tab[..., COL[name]] = values
-    return ControlTable(tab, act_recv, grad_recv, act_ch, grad_ch, sizes,
-                        tuple(_phases(sched, tab, act_recv, grad_recv, sizes, max_phases)))
-
-
-def _phases(sched: Schedule, tab, act_recv, grad_recv, sizes, max_phases: int) -> list:
-    """Maximal runs of ticks with the same kinds of work (warm-up, steady state,
-    cool-down). Each phase is one more compiled copy of the stage branches, so a table
-    that alternates more often runs as one scan."""
-    T = tab.shape[0]
-    kinds_at = []
-    for t in range(T):
-        kinds_at.append(frozenset(kind for kind, col in zip(
-            TaskType, ("f_stage", "b_stage", "w_stage", "u_stage")) if (tab[t, :, COL[col]] >= 0).any()))
-
-    def phase(a: int, b: int) -> Phase:
-        kinds = frozenset().union(*kinds_at[a:b])
-        used = lambda recv, idle: tuple(c for c in range(recv.shape[2]) if (recv[a:b, :, c] != idle).any())
-        return Phase(a, b, kinds, used(act_recv, sizes["act"]), used(grad_recv, sizes["grad"]))
-
-    out, start = [], 0
-    for t in range(1, T + 1):
-        if t == T or kinds_at[t] != kinds_at[start]:
-            out.append(phase(start, t))
-            start = t
-    return out if len(out) <= max_phases else [phase(0, T)]
+    kinds = frozenset(t.kind for t in sched.tasks)
+    return ControlTable(tab, act_recv, grad_recv, act_ch, grad_ch, sizes, kinds,
+                        act_send=(act_recv != sizes["act"]).any(axis=1),
+                        grad_send=(grad_recv != sizes["grad"]).any(axis=1),
+                        update_tick=(tab[..., COL["u_stage"]] >= 0).any(axis=1))

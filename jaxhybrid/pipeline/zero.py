@@ -3,9 +3,9 @@
 A packed parameter buffer of length L (one per stage device, stacked over "pipe") is
 seen by the optimizer as D = mesh.shape["data"] contiguous shards of ceil(L / D)
 elements (zero padded at the end). Replica d keeps only shard d of every optimizer slot
-(Adam's two moments: 2 x params / D per device instead of 2 x params). A U task
-(`update_slot`) then, at tick level (every replica of a pipe position issues the same
-collectives in the same order, outside every cond):
+(Adam's two moments: 2 x params / D per device instead of 2 x params). In a tick where
+some device updates (the runtime's tick-level flag: every replica issues the same
+collectives in the same order; none sits under a device's own row), `update_slot`:
   1. reduce-scatters the accumulated gradient over "data" (`psum_scatter`, then / D):
      replica d receives the data-mean of shard d only;
   2. runs the optimizer on (shard d of the params, that gradient shard, its slot shard)
@@ -89,7 +89,7 @@ def update_slot(job, dev, c, row):
     # 2. the optimizer on this replica's shard (only in the device's U tick).
     shard, opt_state = lax.cond(row[COL["u_stage"]] >= 0, busy, lambda p, o: (p, o),
                                 shard, c.opt_state)
-    # 3. all-gather the shards into whole buffers (tick level: every replica joins).
+    # 3. all-gather the shards into whole buffers (every replica joins).
     params = {n: lax.all_gather(v, DATA, tiled=True)[:lengths[n]] for n, v in shard.items()}
     return c.replace(params=params, opt_state=opt_state)
 
