@@ -25,6 +25,45 @@ from jaxhybrid.schedules.asynchronous import synchronous_view
 PyTree = Any
 
 
+def _checked_mesh(mesh) -> Mesh:
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) not in ({DATA, PIPE},
+                                                                   {DATA, PIPE, MODEL}):
+        names = getattr(mesh, "axis_names", None)
+        raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
+                         f"'pipe', 'model'), got {names}; build it with "
+                         f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
+    return mesh
+
+
+def _checked_zero(zero) -> bool:
+    if zero not in (0, 1, False, True):
+        raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
+                         f"or 1 (optimizer state sharded over 'data').")
+    return bool(zero)
+
+
+def _checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
+                      num_layers: int) -> Schedule:
+    """The schedule built by name (or a user's own), checked against the other options."""
+    options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
+    if options and schedule != "interleaved":
+        raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
+                         f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
+    sched = make_schedule(schedule, pipe, M, **options)
+    if zero and sched.weights != "sync":
+        raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
+                         f"schedule {sched.name!r} updates per gradient window "
+                         f"(weight versions per replica): use zero=0 with it.")
+    if sched.num_stages > num_layers:
+        v = sched.virtual_stages
+        how = f" ({pipe} devices x {v} virtual)" if v > 1 else ""
+        raise ValueError(f"Pipeline: {sched.num_stages} stages{how} but only {num_layers} "
+                         f"layers; use a mesh with pipe <= {num_layers // v}"
+                         f"{' or fewer virtual stages' if v > 1 else ''}, "
+                         f"or split the model into more layers.")
+    return sched
+
+
 class Pipeline:
     """Runs `layers` (applied in order) as pipeline stages on `mesh.shape["pipe"]`
     devices (one stage each, or several with virtual stages), each replicated over
@@ -72,13 +111,7 @@ class Pipeline:
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
-        if not isinstance(mesh, Mesh) or set(mesh.axis_names) not in ({DATA, PIPE},
-                                                                       {DATA, PIPE, MODEL}):
-            names = getattr(mesh, "axis_names", None)
-            raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
-                             f"'pipe', 'model'), got {names}; build it with "
-                             f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
-        self.mesh = mesh
+        self.mesh = _checked_mesh(mesh)
         # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
         self.model = int(dict(mesh.shape).get(MODEL, 1))
         self.stage_spec = P((PIPE, MODEL)) if MODEL in mesh.axis_names else P(PIPE)
@@ -88,31 +121,15 @@ class Pipeline:
                              "tensor-parallel layouts come from each layer's init).")
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
-        if zero not in (0, 1, False, True):
-            raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
-                             f"or 1 (optimizer state sharded over 'data').")
-        self.zero = bool(zero)
+        self.zero = _checked_zero(zero)
         if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
-        options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
-        if options and schedule != "interleaved":
-            raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
-                             f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
-        self.schedule = make_schedule(schedule, self.pipe_size, self.num_microbatches, **options)
-        if self.zero and self.schedule.weights != "sync":
-            raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
-                             f"schedule {self.schedule.name!r} updates per gradient window "
-                             f"(weight versions per replica): use zero=0 with it.")
+        self.schedule = _checked_schedule(schedule, self.pipe_size, self.num_microbatches,
+                                          virtual_stages, self.zero, len(self.layers))
         # A "stage" is a piece of the model: S x v of them with v virtual stages per device.
         self.num_stages = self.schedule.num_stages
         L, S = len(self.layers), self.num_stages
-        if S > L:
-            v = self.schedule.virtual_stages
-            how = f" ({self.pipe_size} devices x {v} virtual)" if v > 1 else ""
-            raise ValueError(f"Pipeline: {S} stages{how} but only {L} layers; use a mesh with "
-                             f"pipe <= {L // v}{' or fewer virtual stages' if v > 1 else ''}, "
-                             f"or split the model into more layers.")
         if memory_budget is not None and remat != "auto":
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
