@@ -14,8 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxhybrid.layers import takes_train
-from jaxhybrid.sharding import model_split_dims
+from jaxhybrid.sharding import layer_split_dims
 
 PyTree = Any
 
@@ -23,10 +22,7 @@ PyTree = Any
 def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
     """The layer's "params" tree of dims split over "model", from its abstract init on
     input x (still boxed with the logical names; no FLOPs)."""
-    kwargs = {"train": False} if takes_train(layer) else {}
-    boxed = jax.eval_shape(lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs),
-                           jax.random.key(0), x)
-    return model_split_dims(boxed.get("params", {}))
+    return layer_split_dims(layer, x)[1]
 
 
 def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str) -> PyTree:
