@@ -164,3 +164,23 @@ def test_largest_depth_is_the_boundary_and_monotone_in_layout(depth_costs):
     assert depth[2] > depth[1]    # parameter-bound at 8 tokens: ZeRO's saving counts
     with pytest.raises(ValueError, match="data x pipe x model"):
         largest.Layout.parse("2x2")
+
+
+def test_pipeline_plans_with_its_model_degree_and_zero(gpt_costs):
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    from jaxhybrid.plan import make_plan
+    spec, x, costs = gpt_costs
+    sched = make_schedule("1f1b", 1, 2)
+    plans = {}
+    for model, zero in ((1, 0), (2, 0), (2, 1)):
+        pipe = jp.Pipeline(spec.layers, mesh=jh.make_mesh(data=2, pipe=1, model=model),
+                           num_microbatches=2, remat="auto", memory_budget="1GB", zero=zero)
+        pipe.make_plan(np.repeat(x, 4, axis=0))   # data 2 x M 2 microbatches of 2
+        plans[model, zero] = pipe.plan.device_memory
+        shards = dict(model=model, zero_shards=2 if zero else 1)
+        assert plans[model, zero] == pytest.approx(
+            spmd_memory(costs, [], sched, None, **shards)[1])
+        assert make_plan(costs, num_stages=1, num_microbatches=2, memory_budget="1GB",
+                         **shards).device_memory == pytest.approx(plans[model, zero])
+    assert plans[1, 0] > plans[2, 0] > plans[2, 1]
