@@ -23,9 +23,9 @@ inside the pipeline) the most blocks whose planned device bytes
 fit --budget on each of --layouts, and the parameter count of the largest GPT per
 layout. Costs: `plan.profile` of one embedding, block and head (abstract, XLA cost
 analysis) per width. Then the check on this host's simulated devices: at
---check_budget, GPT of --check_width on the last layout, the planner's largest depth n
-and n + 1 compiled (`memory_analysis()`: argument + output + temp - alias bytes of the
-train step) against the prediction.
+--check_budget, GPT of --check_width on each layout, the planner's largest depth n
+and n + 1 compiled (`memory_analysis()`: argument + output + temp - alias bytes of
+scripts/train.py's step, state donated) against the prediction.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ flags.DEFINE_integer("seq_len", 1024, "tokens per sequence for --largest.")
 flags.DEFINE_integer("vocab", 50257, "vocabulary for --largest.")
 flags.DEFINE_integer("microbatch", 1, "sequences per microbatch for --largest.")
 flags.DEFINE_bool("remat", False, "--largest: let the planner recompute layers to fit.")
-flags.DEFINE_string("check_budget", "3MiB", "budget of the compiled check ('' to skip).")
+flags.DEFINE_string("check_budget", "12MiB", "budget of the compiled check ('' to skip).")
 flags.DEFINE_integer("check_width", 128, "GPT width of the compiled check (vocab 257, "
                      "16 tokens, 4 heads).")
 
@@ -89,22 +89,25 @@ def measure(spec, data: int, pipe_size: int, model: int, zero: int, M: int) -> d
 
 
 def step_bytes(spec, layout, M: int, microbatch: int) -> int:
-    """argument + output + temp - alias bytes per device of the compiled train step
-    (adam inside the pipeline, 1f1b, the planner's boundaries for the layout)."""
+    """argument + output + temp - alias bytes per device of the compiled training step of
+    `scripts/train.py` (`jaxhybrid.train.make_train_step`: the pipeline's gradients, Adam,
+    the train state donated; ZeRO as train.zero) on the layout, with the planner's
+    boundaries for it."""
+    from jaxhybrid import config_flags, train
     from jaxhybrid.plan.costs import layer_times, profile
     from jaxhybrid.plan.model_axis import local_cost
     from jaxhybrid.plan.partitioning import partition
     x, y = spec.sample_batch(layout.data * M * microbatch, 0)
     costs = profile(spec.layers, spec.sample_batch(microbatch)[0])
     cuts = partition(layer_times([local_cost(c, layout.model) for c in costs]), layout.pipe)
-    pipe = jp.Pipeline(spec.layers, mesh=jh.make_mesh(data=layout.data, pipe=layout.pipe,
-                                                      model=layout.model),
-                       num_microbatches=M, schedule="1f1b", remat="none", zero=layout.zero,
-                       boundaries=cuts)
-    variables = pipe.init(jax.random.key(0), x)
-    tx = optax.adam(1e-3)
-    opt = pipe.init_optimizer(tx, variables)
-    mem = pipe.train_step(spec.loss_fn, tx).lower(variables, opt, x, y, jax.random.key(1)) \
+    mesh = jh.make_mesh(data=layout.data, pipe=layout.pipe, model=layout.model)
+    pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M, schedule="1f1b",
+                       remat="none", zero=layout.zero, boundaries=cuts)
+    t = config_flags.base_config().train
+    t.optimizer, t.weight_decay = "adamw", 0.0     # Adam's two moments, no masks
+    state = train.initial_state(pipe, t, pipe.init(jax.random.key(0), x))
+    run = train.Run(spec, mesh, pipe, None, None, x)
+    mem = train.make_train_step(run, t).lower(state, (None, None), x, y, jax.random.key(1)) \
         .compile().memory_analysis()
     return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                - mem.alias_size_in_bytes)
@@ -144,25 +147,27 @@ def largest(argv_flags) -> None:
                 best[str(lay)] = (params, n, w)
             cells.append(f"{n:>5} blocks {params / 1e9:>7.3f} B" if n else f"{'-':>22}")
         print(f"{w:>6} " + " ".join(f"{c:>22}" for c in cells), flush=True)
-    print(f"{'largest':>6} " + " ".join(
-        f"{f'{best[str(l)][1]}x{best[str(l)][2]} {best[str(l)][0] / 1e9:.3f} B':>22}"
-        for l in layouts))
+    if f.widths:
+        print(f"{'largest':>6} " + " ".join(
+            f"{f'{best[str(l)][1]}x{best[str(l)][2]} {best[str(l)][0] / 1e9:.3f} B':>22}"
+            for l in layouts))
     if not f.check_budget:
         return
-    lay, check = layouts[-1], parse_bytes(f.check_budget)
-    w = f.check_width
+    check, w = parse_bytes(f.check_budget), f.check_width
     depth_costs, _, _ = gpt_depths("tiny", 2, d_model=w, num_heads=4)
-    n = largest_depth(depth_costs, lay, check, num_microbatches=M)
-    print(f"check on {jax.device_count()} simulated devices, layout {lay}, GPT width {w} (4 heads, "
-          f"16 tokens, vocab 257, microbatch 2, M={M}), budget {fmt_bytes(check)}: planner's "
-          f"largest depth {n}")
-    for depth in (n, n + 1):
-        spec = models.get_model("gpt", "tiny", num_layers=depth, d_model=w, num_heads=4)
-        pred = device_memory(depth_costs(depth), lay, num_microbatches=M)
-        got = step_bytes(spec, lay, M, 2)
-        print(f"  {depth} blocks: predicted {fmt_bytes(pred)} ({int(pred):,}), compiled "
-              f"{fmt_bytes(got)} ({got:,}), predicted/compiled {pred / got:.3f}; fits "
-              f"{check:,}: predicted {pred <= check}, compiled {got <= check}", flush=True)
+    print(f"check on {jax.device_count()} simulated devices: GPT width {w} (4 heads, 16 tokens, "
+          f"vocab 257, microbatch 2, M={M}), budget {fmt_bytes(check)} ({int(check):,} bytes); the "
+          f"planner's largest depth n and n + 1 per layout, predicted vs compiled (train.py's "
+          f"step)")
+    for lay in layouts:
+        n = largest_depth(depth_costs, lay, check, num_microbatches=M)
+        for depth in (n, n + 1):
+            spec = models.get_model("gpt", "tiny", num_layers=depth, d_model=w, num_heads=4)
+            pred = device_memory(depth_costs(depth), lay, num_microbatches=M)
+            got = step_bytes(spec, lay, M, 2)
+            print(f"  {str(lay):>7} {depth:>3} blocks: predicted {int(pred):>11,} compiled "
+                  f"{got:>11,} predicted/compiled {pred / got:.3f}; fits: predicted "
+                  f"{pred <= check}, compiled {got <= check}", flush=True)
 
 
 def main(argv) -> None:
