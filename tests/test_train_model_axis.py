@@ -55,6 +55,16 @@ def test_model_parallel_run_has_the_losses_of_model_1(runs):
     assert max(losses(runs[(2, 4, 1)], "grad_norm").values()) > 1.0   # clipping is on
 
 
+def test_model_parallel_run_with_zero_has_the_losses_of_model_1(runs, tmp_path):
+    # train.zero=1 on top: Adam slots P(("pipe", "model"), "data"), the updated params
+    # gathered back to whole stage rows.
+    train.train_and_evaluate(config(2, 2, 2, **{"train.steps": 2, "train.zero": 1,
+                                                "checkpoint.every": 0}), tmp_path)
+    one, two = losses(runs[(2, 4, 1)]), losses(tmp_path)
+    assert sorted(two) == [1, 2]
+    np.testing.assert_allclose([two[1], two[2]], [one[1], one[2]], rtol=1e-5)
+
+
 def _portable(layout, ckpt_dir, step):
     run = train.prepare(config(*layout))
     variables = run.pipe.init(jax.random.key(0), next(run.train_batches())[0])
