@@ -184,3 +184,14 @@ def test_pipeline_plans_with_its_model_degree_and_zero(gpt_costs):
         assert make_plan(costs, num_stages=1, num_microbatches=2, memory_budget="1GB",
                          **shards).device_memory == pytest.approx(plans[model, zero])
     assert plans[1, 0] > plans[2, 0] > plans[2, 1]
+
+
+def test_odd_heads_are_traced_at_a_degree_that_divides_them():
+    spec = models.get_model("gpt", "tiny", num_layers=1, d_model=48, num_heads=3)
+    block = profile(spec.layers, spec.sample_batch(2)[0], cache_dir=None)[1]
+    even = models.get_model("gpt", "tiny", num_layers=1, d_model=48, num_heads=2)
+    ref = profile(even.layers, even.sample_batch(2)[0], cache_dir=None)[1]
+    assert block.model_param_bytes == ref.model_param_bytes > 0   # same weight shapes
+    assert (block.model_fwd_collectives, block.model_fwd_comm_bytes) == (2, 2 * block.out_bytes)
+    assert block.model_flops_fraction == pytest.approx(1.0)
+    assert 0 < block.model_saved_bytes < block.saved_bytes

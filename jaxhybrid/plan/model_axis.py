@@ -7,12 +7,12 @@ it from the layer itself (`model_terms`):
 * parameters: the leaves whose logical axis names the rules map to "model"
   (`sharding.model_split_dims` of the layer's boxed abstract init) -> `model_param_bytes`;
 * residuals, matmul FLOPs and collectives: the layer is traced once more, abstractly, at
-  degree 2 (`tensor_parallel.degree(2)`, "model" bound by `make_jaxpr`), which is how the
-  pipeline runs it. With R replicated and S split bytes, R + S at degree 1 and R + S / 2
-  at degree 2 give S = 2 x (difference): `model_saved_bytes`, and likewise the split
-  fraction of the forward's dot/conv FLOPs (`model_flops_fraction`). The collectives
-  over "model" in the degree-2 forward and backward jaxprs give the bytes all-reduced per
-  device (`model_fwd_comm_bytes`, `model_bwd_comm_bytes`; a psum counts its operand, an
+  degree 2 (`tensor_parallel.degree(2)`, "model" bound by `make_jaxpr`; 3, 5 or 7 when
+  its split dimensions are odd), which is how the pipeline runs it. With R replicated
+  and S split bytes, R + S at degree 1 and R + S / t at degree t give S = t / (t - 1) x
+  (difference): `model_saved_bytes`, and likewise the split fraction of the forward's
+  dot/conv FLOPs (`model_flops_fraction`). The collectives over "model" in that trace's
+  forward and backward jaxprs give the bytes all-reduced per device (`model_fwd_comm_bytes`, `model_bwd_comm_bytes`; a psum counts its operand, an
   all-gather half its output). A Megatron GPT block: 2 all-reduces of its [B, T, D]
   activation forward (after attention and after the MLP) and 2 backward
   (`model_fwd_collectives`, `model_bwd_collectives` count them, for their latency).
@@ -28,6 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+
+# Degrees tried for the abstract trace, smallest first (a layer whose split dimensions
+# no small prime divides keeps only its parameter split).
+_TRACE_DEGREES = (2, 3, 5, 7)
 
 
 def _nbytes(tree) -> int:
@@ -98,14 +103,20 @@ def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: 
     if not split:
         return zero
     _, flops1, _, _ = _traced(layer, x, drop, diff_inputs, train)
-    with tensor_parallel.degree(2):
-        saved2, flops2, fwd_comm, bwd_comm = _traced(layer, x, drop, diff_inputs, train)
-    return dict(model_param_bytes=int(split),
-                model_saved_bytes=int(min(max(2 * (saved_bytes - saved2), 0), saved_bytes)),
-                model_flops_fraction=float(min(max(2 * (flops1 - flops2) / flops1, 0.0), 1.0))
-                if flops1 else 0.0,
-                model_fwd_comm_bytes=int(fwd_comm[0]), model_bwd_comm_bytes=int(bwd_comm[0]),
-                model_fwd_collectives=fwd_comm[1], model_bwd_collectives=bwd_comm[1])
+    for t in _TRACE_DEGREES:    # the smallest degree the layer's split dims allow
+        try:
+            with tensor_parallel.degree(t):
+                saved_t, flops_t, fwd_comm, bwd_comm = _traced(layer, x, drop, diff_inputs, train)
+        except ValueError:      # e.g. 3 heads at degree 2
+            continue
+        grow = t / (t - 1)      # R + S at degree 1, R + S / t at degree t
+        return dict(model_param_bytes=int(split),
+                    model_saved_bytes=int(min(max(grow * (saved_bytes - saved_t), 0), saved_bytes)),
+                    model_flops_fraction=float(min(max(grow * (flops1 - flops_t) / flops1, 0.0),
+                                                   1.0)) if flops1 else 0.0,
+                    model_fwd_comm_bytes=int(fwd_comm[0]), model_bwd_comm_bytes=int(bwd_comm[0]),
+                    model_fwd_collectives=fwd_comm[1], model_bwd_collectives=bwd_comm[1])
+    return {**zero, "model_param_bytes": int(split)}   # no degree fits: parameters only
 
 
 def local_cost(c, model: int):
