@@ -18,6 +18,8 @@ def get_config():
     c.model.size = "small"              # 4 blocks, d_model 128, 128 bytes of context
     c.model.overrides = dict(dropout_rate=0.1)
     c.mesh.data, c.mesh.pipe = 2, 4       # embedding | 4 blocks | head over 4 stages
+    c.mesh.model = 1                      # 2: blocks' heads and MLP split over 2 devices
+                                          # (then e.g. data=2, pipe=2; docs/training.md)
     c.pipeline.schedule = "1f1b"
     c.pipeline.num_microbatches = 4
     c.train.steps = 400

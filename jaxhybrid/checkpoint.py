@@ -7,7 +7,10 @@ for every layer, that layer's flax variables and its share of every parameter-sh
 optimizer slot (Adam's mu and nu, SGD's momentum trace), plus the optimizer's other
 leaves (step counts). Restoring packs them again for whatever mesh and boundaries the
 new run uses, so a run saved on (data=2, pipe=4) continues on (4, 2) or (1, 1), with one
-process or several, with the very same numbers.
+process or several, with the very same numbers. With a tensor-parallel "model" axis the
+stage buffers hold one row per (pipe device, model shard); a checkpoint stores each
+layer's whole variables (its model shards joined), so a model=2 run restores into model=1
+and back.
 
 On disk (orbax CheckpointManager; a step directory appears only once every process has
 finished writing it):
@@ -45,7 +48,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.mesh import DATA, PIPE
-from jaxhybrid.pipeline import packing
+from jaxhybrid.pipeline import model_shards, packing
 from jaxhybrid.splitter.pipeline_hooks import (from_model_entries, holds_model_tree,
                                                to_model_entries)
 
@@ -78,32 +81,47 @@ def leaf_sharding(mesh, shape) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _unpack_rows(pipe, collection: str, rows: dict, unpack) -> list:
-    """Stacked {key: [S, length]} rows -> one tree per layer, with `unpack` (traced or
-    numpy). A device's row holds its stages' layers (several with virtual stages)."""
+def _dims(pipe, i: int, collection: str):
+    """Layer i's tree of dims split over "model" (None: nothing is split)."""
+    return pipe._dims(i, collection)
+
+
+def _unpack_rows(pipe, collection: str, rows: dict, unpack, xp) -> list:
+    """Stacked {key: [S x T, length]} rows -> one whole tree per layer, with `unpack`
+    (traced or numpy; `xp` its array module). A device's row holds its stages' layers
+    (several with virtual stages); with a "model" axis of T, pipe device d has rows
+    d * T + j, one per model shard j, joined back here (layout-independent checkpoints)."""
+    T = pipe.model
     out = [None] * len(pipe.layers)
     for s, layers in enumerate(pipe.device_layers):
-        trees = unpack(pipe.param_layouts[s][collection], {k: v[s] for k, v in rows.items()})
-        for i, tree in zip(layers, trees):
-            out[i] = tree
+        shards = [unpack(pipe.param_layouts[s][collection],
+                         {k: v[s * T + j] for k, v in rows.items()}) for j in range(T)]
+        for n, i in enumerate(layers):
+            out[i] = model_shards.merge(_dims(pipe, i, collection), [t[n] for t in shards], xp)
     return out
 
 
-def _pack_rows(pipe, collection: str, per_layer: list, lengths: dict, pack, stack) -> dict:
+def _pack_rows(pipe, collection: str, per_layer: list, lengths: dict, pack, stack, xp) -> dict:
     """Inverse of `_unpack_rows` with `pack` and `stack` (traced or numpy)."""
-    rows = [pack(pipe.param_layouts[s][collection], [per_layer[i] for i in layers], lengths)
-            for s, layers in enumerate(pipe.device_layers)]
+    rows = [pack(pipe.param_layouts[s][collection],
+                 [model_shards.shard(per_layer[i], _dims(pipe, i, collection), pipe.model, j,
+                                     f"layer {i}", xp) for i in layers], lengths)
+            for s, layers in enumerate(pipe.device_layers) for j in range(pipe.model)]
     return {k: stack([r[k] for r in rows]) for k in lengths}
 
 
 def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
     """(Traced) packed {key: [S, length]} buffers -> one tree per layer."""
-    return _unpack_rows(pipe, collection, buffers, packing.unpack)
+    return _unpack_rows(pipe, collection, buffers, packing.unpack, jnp)
 
 
 def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
     """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack, jnp)
+
+
+def _stage_spec(pipe) -> P:
+    return pipe.stage_spec
 
 
 def holds_every_stage(mesh) -> bool:
@@ -111,13 +129,14 @@ def holds_every_stage(mesh) -> bool:
     process; with several when "data" crosses processes)? Then checkpoints are cut and
     packed on the host, with no collective and no compilation."""
     stages: dict = {}
-    for (_, j), device in np.ndenumerate(mesh.devices):
-        stages.setdefault(device.process_index, set()).add(j)
+    for index, device in np.ndenumerate(mesh.devices):   # (data, pipe[, model])
+        stages.setdefault(device.process_index, set()).add(index[1])
     return all(len(v) == mesh.shape[PIPE] for v in stages.values())
 
 
 def _local_rows(buffers: dict) -> dict:
-    """{key: numpy [S, length]} from this process's shards of P("pipe") buffers."""
+    """{key: numpy [S, length]} from this process's shards of stage buffers (rows over
+    "pipe", or ("pipe", "model"))."""
     out = {}
     for k, v in buffers.items():
         rows = {}
@@ -129,12 +148,12 @@ def _local_rows(buffers: dict) -> dict:
 
 def _unpack_host(pipe, collection: str, buffers: dict) -> list:
     """`_unpack_collection` on the host (numpy trees), from this process's shards."""
-    return _unpack_rows(pipe, collection, _local_rows(buffers), packing.unpack_numpy)
+    return _unpack_rows(pipe, collection, _local_rows(buffers), packing.unpack_numpy, np)
 
 
 def _pack_host(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
     """`_pack_collection` on the host (numpy)."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np)
 
 
 def _host_value(leaf) -> np.ndarray:
@@ -158,10 +177,19 @@ def unpack_like_params(pipe, buffers: dict) -> list:
     return _spread(pipe, functools.partial(_unpack_collection, pipe, "params"))(buffers)
 
 
+def whole_from_shard(pipe, per_layer: list) -> list:
+    """Per-layer "params" trees at one model shard's shapes (`pipe.layer_shapes`) -> the
+    whole trees, each shard's copy joined along the dims split over "model" (for values
+    that are the same in every shard, e.g. masks)."""
+    return [model_shards.merge(_dims(pipe, i, "params"), [tree] * pipe.model)
+            for i, tree in enumerate(per_layer)]
+
+
 def pack_like_params(pipe, per_layer: list) -> dict:
     """One numpy tree per layer, shaped like that layer's params (the same on every
-    process) -> packed buffers like variables["params"], sharded over "pipe"."""
-    sharding = NamedSharding(pipe.mesh, P(PIPE))
+    process) -> packed buffers like variables["params"], sharded like the stage buffers
+    (over "pipe", and "model" with one row per model shard)."""
+    sharding = NamedSharding(pipe.mesh, _stage_spec(pipe))
     host = _pack_host(pipe, "params", per_layer, pipe.param_len)
     return {k: jax.device_put(v, sharding) for k, v in host.items()}
 
@@ -172,8 +200,9 @@ def opt_state_shardings(pipe, opt_state: PyTree, params: dict, zero: bool = Fals
     is_slot = _param_slot_test(params)
     if zero:
         from jaxhybrid.pipeline import zero as zero_
-        return zero_.opt_state_shardings(pipe.mesh, opt_state, params, is_slot)
-    stage, replicated = NamedSharding(pipe.mesh, P(PIPE)), NamedSharding(pipe.mesh, P())
+        return zero_.opt_state_shardings(pipe.mesh, opt_state, params, is_slot,
+                                         _stage_spec(pipe))
+    stage, replicated = NamedSharding(pipe.mesh, _stage_spec(pipe)), NamedSharding(pipe.mesh, P())
     return jax.tree.map(lambda node: (jax.tree.map(lambda _: stage, node) if is_slot(node)
                                       else replicated), opt_state, is_leaf=is_slot)
 
@@ -267,7 +296,7 @@ def from_portable(pipe, portable: dict, template: dict) -> dict:
     of this pipeline (structure and shardings of the result)."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), template)
     params = abstract["variables"]["params"]
-    stage = NamedSharding(pipe.mesh, P(PIPE))
+    stage = NamedSharding(pipe.mesh, _stage_spec(pipe))
     shardings = {"variables": jax.tree.map(lambda _: stage, abstract["variables"]),
                  "opt_state": opt_state_shardings(pipe, abstract["opt_state"], params,
                                                     zero=getattr(pipe, "zero", False))}
@@ -305,6 +334,7 @@ class Checkpointer:
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
                 "layout": {"data": pipe.data, "pipe": pipe.pipe_size,
+                           "model": pipe.model,
                            "boundaries": [int(b) for b in pipe.boundaries]}}
         self._manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))

@@ -34,7 +34,8 @@ def base_config() -> ml_collections.ConfigDict:
                    # pipeline splits it): "package.module:factory", called with kwargs;
                    # loss: "classification", "token" or "package.module:loss_fn".
                    module=placeholder(str), kwargs={}, loss=placeholder(str))
-    c.mesh = dict(data=-1, pipe=1)                 # one of them may be -1: the rest
+    c.mesh = dict(data=-1, pipe=1,                 # one of them may be -1: the rest
+                  model=1)                         # tensor parallel degree (docs/training.md)
     c.pipeline = dict(schedule="1f1b", num_microbatches=1, remat="auto",
                       virtual_stages=2,                   # stages per device ("interleaved")
                       memory_budget=placeholder(str),     # e.g. "8GB"; None: no budget

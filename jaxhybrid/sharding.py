@@ -85,6 +85,17 @@ def model_split_dims(boxed: Any) -> Any:
     return jax.tree.map(dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False) -> tuple[Any, Any]:
+    """(the layer's boxed abstract variables from `init` on input x, its "params" tree
+    of dims split over "model" by `model_split_dims`). No FLOPs, nothing allocated."""
+    from jaxhybrid.layers import takes_train
+    kwargs = {"train": train} if takes_train(layer) else {}
+    boxed = jax.eval_shape(lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs),
+                           jax.random.key(0), x)
+    params = boxed.get("params", {})
+    return params, model_split_dims(params)
+
+
 @contextlib.contextmanager
 def axis_rules() -> Iterator[None]:
     """`with axis_rules(): ...` — flax's `nn.logical_axis_rules` with jaxhybrid's rules."""

@@ -29,12 +29,11 @@ import numpy as np
 import optax
 from absl import logging
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxhybrid as jh
 from jaxhybrid import checkpoint, config_flags, data, distributed, models, startup
 from jaxhybrid import pipeline as jp
-from jaxhybrid.mesh import DATA, PIPE
+from jaxhybrid.mesh import DATA
 from jaxhybrid.pipeline import async_weights
 from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
 
@@ -129,10 +128,13 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"model: {e}") from None
+    model = config.mesh.get("model", 1)
+    _require(_int(model) and model >= 1, f"mesh.model={model!r} must be an int >= 1 (the "
+             f"tensor-parallel degree).")
     try:
-        mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
+        mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe, model=model)
     except ValueError as e:
-        raise ConfigError(f"mesh (config.mesh.data/pipe, {jax.device_count()} "
+        raise ConfigError(f"mesh (config.mesh.data/pipe/model, {jax.device_count()} "
                           f"{jax.default_backend()} devices): {e}") from None
     n_data, m = mesh.shape[DATA], p.num_microbatches
     _require(_int(m) and m >= 1, f"pipeline.num_microbatches={m!r} must be an int >= 1.")
@@ -169,7 +171,25 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     # The first real example, repeated to a global batch, stands in for the planner's
     # sample (exact shapes and dtypes, the same on every process).
     sample = jax.tree.map(lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
+    _check_model_degree(spec, sample, model)
     return Run(spec, mesh, pipe, train_batches, eval_batches, sample)
+
+
+def _check_model_degree(spec, sample, model: int) -> None:
+    """With mesh.model > 1, the layers traced at that degree (abstractly, as the pipeline
+    will) so that a degree that does not divide their split dimensions (heads, MLP
+    width) stops here in one line, before any work."""
+    if model == 1:
+        return
+    from jaxhybrid import tensor_parallel
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)[1:]), np.asarray(a).dtype),
+                     sample)
+    try:
+        with tensor_parallel.degree(model):
+            tensor_parallel.eval_shape(lambda k, xx: models.init_layers(spec.layers, k, xx),
+                                       jax.random.key(0), x)
+    except ValueError as e:
+        raise ConfigError(f"mesh.model={model}: {str(e).splitlines()[0]}") from None
 
 
 def _model_spec(config, train_data=None) -> models.ModelSpec:
@@ -287,12 +307,19 @@ def weight_decay_mask(pipe, variables) -> dict:
     del variables
     masks = [jax.tree.map(lambda a: np.full(a.shape, len(a.shape) >= 2, a.dtype),
                           shapes.get("params", {})) for shapes in pipe.layer_shapes]
-    return checkpoint.pack_like_params(pipe, masks)
+    return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, masks))
 
 
 def norm_weights(pipe, variables):
     """For a split model whose pieces share a variable (tied embeddings): packed
-    1/copies weights (`global_norm`); None otherwise."""
+    1/copies weights (`global_norm`); with a "model" axis of T, 1/T for the leaves every
+    model shard holds whole (each holds the same gradient); None otherwise."""
+    if pipe.model > 1:
+        T = pipe.model
+        weights = [jax.tree.map(lambda a, d: np.full(a.shape, 1.0 if d >= 0 else 1.0 / T, a.dtype),
+                                shapes.get("params", {}), pipe._dims(i, "params"))
+                   for i, shapes in enumerate(pipe.layer_shapes)]
+        return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, weights))
     if pipe.splitter is None:
         return None
     from jaxhybrid.splitter.pipeline_hooks import copy_weights
@@ -328,9 +355,9 @@ def make_train_step(run: Run, t):
         updates, opt_state = make_optimizer(t, decay_mask, weights).update(
             grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        if run.pipe.zero:   # updated in data shards: all-gather the params (over "pipe" only)
+        if run.pipe.zero:   # updated in data shards: all-gather the params (stage rows only)
             new_params = jax.lax.with_sharding_constraint(
-                new_params, NamedSharding(run.mesh, P(PIPE)))
+                new_params, NamedSharding(run.mesh, run.pipe.stage_spec))
         variables = {**variables, "params": new_params}
         metrics = {"loss": loss, "grad_norm": global_norm(grads, weights),
                    "param_norm": global_norm(variables["params"], weights)}
@@ -453,9 +480,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         pipe = run.pipe
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
     if main:
-        logging.info("model %s on mesh data=%d x pipe=%d (%d processes), stage boundaries "
-                     "%s\n%s", config.model.module or f"{config.model.name}/{config.model.size}",
-                     pipe.data, pipe.num_stages,
+        logging.info("model %s on mesh data=%d x pipe=%d x model=%d (%d processes), stage "
+                     "boundaries %s\n%s",
+                     config.model.module or f"{config.model.name}/{config.model.size}",
+                     pipe.data, pipe.num_stages, pipe.model,
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
     masks = (decay_mask, norm_weights(pipe, variables))

@@ -1,8 +1,11 @@
-"""Projects time to accuracy of DP-only vs hybrid DP x PP training for 8..1024 devices.
+"""Projects time to accuracy of DP-only vs hybrid DP x PP (x TP, ZeRO) training for 8..1024
+devices.
 
     python scripts/project.py --model=inception_v3 --devices=8,16,32,64,128,256,512,1024
     python scripts/project.py --model=gnmt --hardware=a100_dgx --json > gnmt.json
     python scripts/project.py --model=biglstm --stat_points=1024:60000,4096:21000,16384:9000
+    python scripts/project.py --model=gpt --costs=profile --per_worker_batch=8 \
+        --model_degrees=1,2,4 --zero=0,1      # data x pipe x model, ZeRO on and off
 
 Prints the best data-parallel-only and the best hybrid configuration for each N (step
 time, epochs to target, hours), the speedup, the crossover N and the at-scale gain (best
@@ -39,6 +42,10 @@ flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (names in "
 flags.DEFINE_list("microbatches", None, "microbatch counts to search (default: every divisor "
                   "of the per-worker batch).")
 flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.")
+flags.DEFINE_list("model_degrees", "1", "tensor-parallel degrees to search (mesh model=; "
+                  "each must divide the model's heads / MLP width), e.g. 1,2,4.")
+flags.DEFINE_list("zero", "0", "ZeRO settings to search: 0 (replicated optimizer state), "
+                  "1 (sharded over data), or 0,1.")
 flags.DEFINE_float("b_noise", None, "override the gradient noise scale B_noise (examples).")
 flags.DEFINE_float("e_min", None, "override the small-batch epochs to target E_min.")
 flags.DEFINE_float("max_batch", None, "critical batch: no fewer steps beyond it.")
@@ -105,6 +112,8 @@ def main(argv):
             FLAGS.model, devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
             stat=stat_curve(), costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
             schedules=FLAGS.schedules, max_pipe=FLAGS.max_pipe,
+            model_degrees=[int(t) for t in FLAGS.model_degrees],
+            zero=[int(z) for z in FLAGS.zero],
             microbatches=[int(m) for m in FLAGS.microbatches] if FLAGS.microbatches else None)
     except ValueError as e:
         sys.exit(f"project.py: {e}")

@@ -125,7 +125,7 @@ def _restore(config, ckpt_dir, step):
     tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
-    assert meta["step"] == step and meta["layout"] == {"data": 2, "pipe": 4,
+    assert meta["step"] == step and meta["layout"] == {"data": 2, "pipe": 4, "model": 1,
                                                        "boundaries": [1, 2, 3]}
     return checkpoint.to_portable(run.pipe, state)
 

@@ -176,7 +176,8 @@ class Pipeline:
             costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
             schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
-            boundaries=self.boundaries if fixed else None)
+            boundaries=self.boundaries if fixed else None, model=self.model,
+            zero_shards=self.data if self.zero else 1)
 
     @property
     def plan(self):

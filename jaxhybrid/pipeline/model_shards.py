@@ -14,8 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxhybrid.layers import takes_train
-from jaxhybrid.sharding import model_split_dims
+from jaxhybrid.sharding import layer_split_dims
 
 PyTree = Any
 
@@ -23,14 +22,12 @@ PyTree = Any
 def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
     """The layer's "params" tree of dims split over "model", from its abstract init on
     input x (still boxed with the logical names; no FLOPs)."""
-    kwargs = {"train": False} if takes_train(layer) else {}
-    boxed = jax.eval_shape(lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs),
-                           jax.random.key(0), x)
-    return model_split_dims(boxed.get("params", {}))
+    return layer_split_dims(layer, x)[1]
 
 
-def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str) -> PyTree:
-    """Shard j of `model` of a (numpy) tree; dims None: nothing is split."""
+def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str, xp=np) -> PyTree:
+    """Shard j of `model` of a (numpy, or with xp=jax.numpy traced) tree; dims None:
+    nothing is split."""
     if dims is None:
         return tree
 
@@ -41,13 +38,13 @@ def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str) -> P
             raise ValueError(f"Pipeline: {what} has a parameter of shape {np.shape(a)} whose "
                              f"dimension {dim} (split over 'model') is not divisible by "
                              f"model={model}; choose model from its divisors.")
-        return np.split(np.asarray(a), model, axis=dim)[j]
+        return xp.split(xp.asarray(a), model, axis=dim)[j]
     return jax.tree.map(one, tree, dims)
 
 
-def merge(dims: PyTree | None, shards: list) -> PyTree:
-    """Inverse of `shard`: the trees of all shards joined (numpy)."""
+def merge(dims: PyTree | None, shards: list, xp=np) -> PyTree:
+    """Inverse of `shard`: the trees of all shards joined (numpy, or `xp`)."""
     if dims is None:
         return shards[0]
-    return jax.tree.map(lambda dim, *parts: parts[0] if dim < 0 else np.concatenate(
+    return jax.tree.map(lambda dim, *parts: parts[0] if dim < 0 else xp.concatenate(
         parts, axis=dim), dims, *shards)

@@ -94,15 +94,17 @@ def update_slot(job, dev, c, row):
     return c.replace(params=params, opt_state=opt_state)
 
 
-def opt_state_shardings(mesh, opt_state: PyTree, params: dict, is_slot) -> PyTree:
+def opt_state_shardings(mesh, opt_state: PyTree, params: dict, is_slot,
+                        stage: P = P(PIPE)) -> PyTree:
     """Shardings of a jit-level optimizer state (`jaxhybrid.train`) with ZeRO: each
-    parameter-shaped slot's buffers P("pipe", "data") where their length divides by the
-    data degree (rest buffers always do: `round_rest_lengths`), else P("pipe")."""
+    parameter-shaped slot's buffers P(stage rows, "data") where their length divides by
+    the data degree (rest buffers always do: `round_rest_lengths`), else P(stage rows);
+    `stage`: the stage buffers' spec, over "pipe" or ("pipe", "model")."""
     data = int(mesh.shape[DATA])
     lengths = {k: v.shape[-1] for k, v in params.items()}
 
     def slot(node):
-        return {k: NamedSharding(mesh, P(PIPE, DATA) if lengths[k] % data == 0 else P(PIPE))
+        return {k: NamedSharding(mesh, P(stage[0], DATA) if lengths[k] % data == 0 else stage)
                 for k in node}
 
     return jax.tree.map(lambda node: slot(node) if is_slot(node) else NamedSharding(mesh, P()),

@@ -90,6 +90,15 @@ class LayerCost:
     bwd_time: float
     measured: bool = False
     state_bytes: int = 0   # non-param variables (e.g. batch_stats): kept, no grads/moments
+    # Tensor parallelism over "model" (`jaxhybrid.plan.model_axis`): of the above, what a
+    # model degree T divides by T, and the bytes all-reduced over the model group.
+    model_param_bytes: int = 0        # params whose logical names the rules put on "model"
+    model_saved_bytes: int = 0        # residuals split over "model"
+    model_flops_fraction: float = 0.0   # of the matmul FLOPs, the part split over "model"
+    model_fwd_comm_bytes: int = 0     # all-reduced over "model" in the forward, per device
+    model_bwd_comm_bytes: int = 0     # ... and in the backward
+    model_fwd_collectives: int = 0    # how many collectives over "model" forward
+    model_bwd_collectives: int = 0    # ... and backward
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -99,8 +108,9 @@ class LayerCost:
         r = batch_size / self.batch_size
         lin = {f: getattr(self, f) * r for f in ("fwd_flops", "bwd_flops", "fwd_bytes",
                                                   "bwd_bytes", "fwd_time", "bwd_time")}
-        ints = {f: int(round(getattr(self, f) * r)) for f in ("in_bytes", "out_bytes", "saved_bytes",
-                                                              "saved_bytes_remat")}
+        ints = {f: int(round(getattr(self, f) * r)) for f in (
+            "in_bytes", "out_bytes", "saved_bytes", "saved_bytes_remat", "model_saved_bytes",
+            "model_fwd_comm_bytes", "model_bwd_comm_bytes")}
         return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints)
 
     def to_dict(self) -> dict:
@@ -180,7 +190,7 @@ def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 2
+COST_FORMAT = 3   # 3: the model-axis fields (jaxhybrid.plan.model_axis)
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -344,6 +354,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     import jax.numpy as jnp
 
     from jaxhybrid.layers import apply_layer
+    from jaxhybrid.plan.model_axis import model_terms
 
     params = lvars.get("params", {})
     state = {k: v for k, v in lvars.items() if k != "params"}
@@ -355,30 +366,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     fwd_flops, fwd_bytes = _xla_cost(fwd_c)
     y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
 
-    # The function we differentiate: float outputs of the layer as a function of its
-    # params and float inputs; integer leaves ride along as constants.
-    x_leaves, x_def = jax.tree.flatten(x)
-    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
-
-    def f(p, xf, st, leaves):
-        leaves = list(leaves)
-        for k, v in zip(fidx, xf):
-            leaves[k] = v
-        yy, new_st = apply_layer(layer, {"params": p, **st}, jax.tree.unflatten(x_def, leaves),
-                                 train=train, rng=drop)
-        return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
-
-    xf = [x_leaves[k] for k in fidx]
-    saved = {}
-
-    def forward_vjp(p, xf_, st, leaves):
-        yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, st, leaves), p, xf_, has_aux=True)
-        # Traced, so parameter/state leaves are tracers and can be told apart from
-        # true residuals by identity.
-        known = jax.tree.leaves((p, st))
-        saved["bytes"] = sum(_nbytes(l) for l in jax.tree.leaves(vjp_fn)
-                             if not any(l is q for q in known))
-        return yf, vjp_fn
+    forward_vjp, xf, x_leaves, saved = _forward_vjp(layer, x, drop, diff_inputs, train)
 
     # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals.
     yf, vjp_fn = (jax.jit(forward_vjp) if measure else functools.partial(jax.eval_shape, forward_vjp))(
@@ -399,4 +387,41 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                 bwd_bytes=bwd_bytes, param_bytes=_nbytes(params), param_count=_count(params),
                 in_bytes=_nbytes(x), out_bytes=_nbytes(y), saved_bytes=int(saved.get("bytes", 0)),
                 saved_bytes_remat=_nbytes(x), fwd_time=fwd_time, bwd_time=bwd_time,
-                state_bytes=_nbytes(state)), y
+                state_bytes=_nbytes(state),
+                **model_terms(layer, x, drop, diff_inputs, train=train,
+                              saved_bytes=int(saved.get("bytes", 0)))), y
+
+
+def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
+    """(forward_vjp(params, float inputs, state, input leaves) -> (float outputs, vjp fn),
+    the float inputs, the input leaves, {"bytes": residual bytes} filled when it is
+    traced). Gradients w.r.t. params and, if `diff_inputs`, the float inputs."""
+    import jax
+
+    from jaxhybrid.layers import apply_layer
+
+    # The function we differentiate: float outputs of the layer as a function of its
+    # params and float inputs; integer leaves ride along as constants.
+    x_leaves, x_def = jax.tree.flatten(x)
+    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
+
+    def f(p, xf, st, leaves):
+        leaves = list(leaves)
+        for k, v in zip(fidx, xf):
+            leaves[k] = v
+        yy, new_st = apply_layer(layer, {"params": p, **st}, jax.tree.unflatten(x_def, leaves),
+                                 train=train, rng=drop)
+        return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
+
+    saved = {}
+
+    def forward_vjp(p, xf_, st, leaves):
+        yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, st, leaves), p, xf_, has_aux=True)
+        # Traced, so parameter/state leaves are tracers and can be told apart from
+        # true residuals by identity.
+        known = jax.tree.leaves((p, st))
+        saved["bytes"] = sum(_nbytes(l) for l in jax.tree.leaves(vjp_fn)
+                             if not any(l is q for q in known))
+        return yf, vjp_fn
+
+    return forward_vjp, [x_leaves[k] for k in fidx], x_leaves, saved

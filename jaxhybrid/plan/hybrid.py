@@ -1,4 +1,4 @@
-"""Hybrid DP x PP: step-time model, search over (data, pipe, microbatches) and
+"""Hybrid DP x PP x TP: step-time model, search over (data, pipe, model, ZeRO, microbatches) and
 time-to-accuracy projection (Pal et al. 2019).
 
 Step time of one configuration (each of `data` workers runs a `pipe`-stage pipeline over
@@ -34,6 +34,14 @@ accumulates one microbatch after another (1F1B on one device). Over the usable m
 the planner's own recomputation choice (`remat.choose_remat_spmd`, per layer; bwd +=
 the recomputed layers' fwd); configs that still do not fit are infeasible.
 
+Tensor parallelism and ZeRO: with model degree T every device holds and computes its
+share of each layer (`model_axis.local_cost`: what the layers' logical names split over
+"model" / T, read from the profile) and its work includes the layers' collectives over
+the model group (`model_times`: Megatron GPT blocks, 2 all-reduces of their activation
+forward and 2 backward, on the intra-node all-reduce links); a configuration uses data x
+pipe x model devices. ZeRO (`zero=1`) divides the optimizer state over the data
+replicas in the memory model and the update time.
+
 Time to accuracy (weak scaling, Pal et al.): global batch B = data * b, steps =
 E(B) * ceil(D / B) with E from `StatEfficiency`, time = steps * step time.
 """
@@ -48,8 +56,10 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware
+from jaxhybrid.plan.model_axis import local_cost, model_comm_time
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
+from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
 from jaxhybrid.plan.step_model import lockstep_time
 from jaxhybrid.plan.topology import Topology
@@ -106,14 +116,28 @@ def grad_params(c: LayerCost, data: int, per_worker_batch: int) -> float:
 
 
 # --- network --------------------------------------------------------------------------
-def pipeline_topology(hw: Hardware, pipe: int) -> Topology:
-    """The links of one pipeline group: `pipe` consecutive devices, node-major."""
-    dpn = hw.devices_per_node
-    t = Topology.nodes(max(1, math.ceil(pipe / dpn)), min(pipe, dpn) if pipe <= dpn else dpn,
+def pipeline_topology(hw: Hardware, pipe: int, model: int = 1) -> Topology:
+    """The links of one pipeline group: `pipe` devices `model` apart (the "model" axis is
+    innermost), node-major."""
+    n, dpn = pipe * model, hw.devices_per_node
+    t = Topology.nodes(max(1, math.ceil(n / dpn)), min(n, dpn),
                        hw.p2p_bandwidth, hw.inter_bandwidth, hw.intra_latency, hw.inter_latency)
     if t.n == pipe:
         return t
-    return Topology(t.bandwidth[:pipe, :pipe], t.latency[:pipe, :pipe], t.description)
+    idx = np.arange(pipe) * model
+    return Topology(t.bandwidth[np.ix_(idx, idx)], t.latency[np.ix_(idx, idx)], t.description)
+
+
+def model_times(costs: Sequence[LayerCost], hw: Hardware, model: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per layer of the collectives over the model group
+    (`model_axis.model_comm_time`; consecutive devices: inside a node while model <=
+    devices_per_node, on the all-reduce links, else on the network)."""
+    inside = model <= hw.devices_per_node
+    bw = hw.allreduce_bandwidth if inside else hw.inter_bandwidth
+    lat = hw.intra_latency if inside else hw.inter_latency
+    one = lambda b, n: model_comm_time(b * hw.bytes_scale, model, bw, lat, n)  # noqa: E731
+    return (np.array([one(c.model_fwd_comm_bytes, c.model_fwd_collectives) for c in costs]),
+            np.array([one(c.model_bwd_comm_bytes, c.model_bwd_collectives) for c in costs]))
 
 
 def allreduce_time(hw: Hardware, data: int, pipe: int, stage_bytes: Sequence[float]) -> float:
@@ -155,7 +179,8 @@ def allreduce_time(hw: Hardware, data: int, pipe: int, stage_bytes: Sequence[flo
 # --- one configuration ----------------------------------------------------------------
 @dataclasses.dataclass
 class Estimate:
-    """Predicted step of one (data, pipe, M, schedule) configuration (seconds, bytes)."""
+    """Predicted step of one (data, pipe, model, ZeRO, M, schedule) configuration
+    (seconds, bytes)."""
     data: int
     pipe: int
     num_microbatches: int
@@ -180,10 +205,24 @@ class Estimate:
     epochs: float = math.nan
     steps: float = math.nan
     time_to_accuracy: float = math.nan
+    model: int = 1                   # tensor-parallel degree
+    zero: int = 0                    # 1: optimizer state sharded over the data replicas
+    model_time: float = 0.0          # collectives over "model" inside the stages' work
 
     @property
     def devices(self) -> int:
-        return self.data * self.pipe
+        return self.data * self.pipe * self.model
+
+    @property
+    def hybrid(self) -> bool:
+        """Anything but plain data parallelism."""
+        return self.pipe > 1 or self.model > 1
+
+    @property
+    def layout(self) -> str:
+        """"data x pipe" (x model, + Z with ZeRO)."""
+        return (f"{self.data}x{self.pipe}" + (f"x{self.model}" if self.model > 1 else "")
+                + ("Z" if self.zero else ""))
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -192,31 +231,39 @@ class Estimate:
 
 def worker_step(costs, hw: Hardware, *, pipe: int, num_microbatches: int, per_worker_batch: int,
                 schedule: str = "1f1b", optimizer_states: int = 1, data: int = 1,
-                boundaries: Sequence[int] | None = None, include_update: bool = True) -> Estimate:
+                boundaries: Sequence[int] | None = None, include_update: bool = True,
+                model: int = 1, zero: int = 0) -> Estimate:
     """Step time and memory of one configuration (all-reduce over `data` included),
     without statistical efficiency."""
     est = _pipeline(cost_fn(costs), hw, pipe, num_microbatches, per_worker_batch, schedule,
-                    optimizer_states, data, boundaries)
+                    optimizer_states, data, boundaries, model, zero)
     return _finish(est, cost_fn(costs), hw, data, optimizer_states if include_update else None)
 
 
 def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: str,
-              optimizer_states: int, data: int, boundaries=None) -> Estimate:
-    """Everything but the all-reduce (which depends on `data`)."""
-    est = Estimate(data, pipe, M, schedule, b, False, global_batch=data * b)
+              optimizer_states: int, data: int, boundaries=None, model: int = 1,
+              zero: int = 0) -> Estimate:
+    """Everything but the all-reduce (which depends on `data`). With model > 1 a device
+    holds and computes its share of each layer (`model_axis.local_cost`) and its
+    stages' work includes the collectives over the model group (`model_times`)."""
+    est = Estimate(data, pipe, M, schedule, b, False, global_batch=data * b, model=model,
+                   zero=zero)
     if M < 1 or b % M:
         est.reason = f"M={M} does not divide the per-worker batch {b}"
         return est
     per_layer = list(costs(b // M))
+    local = [local_cost(c, model) for c in per_layer]
     L = len(per_layer)
     sched = make_schedule(schedule, pipe, M)
     K, v = sched.num_stages, sched.virtual_stages   # K = pipe x virtual stages
     if K > L:
         est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
         return est
-    fwd, bwd = times_on_hardware(per_layer, hw)
+    fwd, bwd = times_on_hardware(local, hw)
+    comm_f, comm_b = model_times(per_layer, hw, model)
+    fwd, bwd = fwd + comm_f, bwd + comm_b
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
-    topo = pipeline_topology(hw, pipe) if pipe > 1 else None
+    topo = pipeline_topology(hw, pipe, model) if pipe > 1 else None
     if boundaries is not None and len(boundaries) != K - 1:
         raise ValueError(f"boundaries={list(boundaries)}: a {K}-stage pipeline needs "
                          f"{K - 1} (the first layer of stages 1..{K - 1}).")
@@ -230,27 +277,30 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     # on one device). Over the budget: the planner's recomputation (`choose_remat_spmd`).
     mem_sched = sched if pipe > 1 else make_schedule("1f1b", 1, M)
     pstate = hw.param_state_bytes(optimizer_states)
-    arr = lambda f: np.array([getattr(c, f) for c in per_layer], float)  # noqa: E731
-    params = stage_sums(arr("param_count"), cuts)
+    params = stage_sums(np.array([c.param_count for c in local], float), cuts)
     bs = hw.bytes_scale
     engine_costs = [dataclasses.replace(
         c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
         saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
-        out_bytes=c.out_bytes * bs) for c in per_layer]
+        out_bytes=c.out_bytes * bs, model_saved_bytes=c.model_saved_bytes * bs,
+        model_param_bytes=(c.model_param_bytes / c.param_bytes * c.param_count * hw.grad_bytes
+                           if c.param_bytes else 0)) for c in per_layer]
     factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
+    shard = dict(param_state_factor=factor, model=model, zero_shards=data if zero else 1,
+                 optimizer_factor=4.0 * optimizer_states / hw.grad_bytes)
     F, B = stage_sums(fwd, cuts), stage_sums(bwd, cuts)
+    est.model_time = float((stage_sums(comm_f + comm_b, cuts)).max()) if model > 1 else 0.0
     flags = [False] * L
-    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
+    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
     if device > hw.usable_memory:
         try:
-            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, hw.usable_memory,
-                                      param_state_factor=factor)
+            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, hw.usable_memory, **shard)
         except MemoryBudgetError:
             est.reason = (f"needs {device / 1e9:.3g} GB per device > "
                           f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
             return est
-        mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, param_state_factor=factor)
-        B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)
+        mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
+        B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)   # collectives re-run too
     remat = [bool(any(flags[a:b])) for a, b in stage_ranges(cuts, L)]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
@@ -265,7 +315,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         device_params = np.bincount(dev, weights=params, minlength=pipe)
         engine = hw.tick_overhead + (device_params.max() * hw.tick_param_bytes / hw.mem_bandwidth
                                      if hw.tick_param_bytes else 0.0)
-    st = lockstep_time(sched, F, B, data=data, compute_slots=hw.compute_slots,
+    st = lockstep_time(sched, F, B, data=data * model, compute_slots=hw.compute_slots,
                        tick_overhead=engine, transfer_per_tick=per_tick_comm)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline
@@ -280,18 +330,24 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
     est = dataclasses.replace(est, data=data, global_batch=data * est.per_worker_batch)
     if not est.feasible:
         return est
-    per_layer = costs(est.per_worker_batch // est.num_microbatches)
+    per_layer = [local_cost(c, est.model)
+                 for c in costs(est.per_worker_batch // est.num_microbatches)]
     g = np.array([grad_params(c, data, est.per_worker_batch) for c in per_layer])
     stage_grads = stage_sums(g, est.boundaries)
     if len(stage_grads) != est.pipe:   # virtual stages: a device all-reduces all of its own
         dev = make_schedule(est.schedule, est.pipe, est.num_microbatches).stage_device
         stage_grads = np.bincount(dev, weights=stage_grads, minlength=est.pipe)
-    est.allreduce_time = allreduce_time(hw, data, est.pipe, stage_grads * hw.grad_bytes)
+    # Every device of a (pipe, model) position all-reduces its own share over `data`
+    # (ZeRO's reduce-scatter + all-gather move the same bytes); with the "model" axis
+    # innermost, the pipe x model groups are laid out like pipe x model stages.
+    est.allreduce_time = allreduce_time(hw, data, est.pipe * est.model,
+                                        np.repeat(stage_grads, est.model) * hw.grad_bytes)
     if optimizer_states is not None and hw.mem_bandwidth:
         # Every device reads and writes the state of the parameters that got gradients
-        # (all of them; for sparse tables, the rows any replica touched).
+        # (all of them; for sparse tables, the rows any replica touched); with ZeRO
+        # only its 1 / data shard of them.
         est.update_time = float(stage_grads.max() * 2 * hw.param_state_bytes(optimizer_states)
-                                / hw.mem_bandwidth)
+                                / hw.mem_bandwidth / (data if est.zero else 1))
     est.step_time = est.pipeline_time + est.allreduce_time + est.update_time + hw.step_overhead
     return est
 
@@ -313,16 +369,18 @@ def with_accuracy(est: Estimate, stat: StatEfficiency) -> Estimate:
 def step_time(costs, hw: Hardware, *, data: int, pipe: int, num_microbatches: int,
               per_worker_batch: int, schedule: str = "1f1b", optimizer_states: int = 1,
               stat: StatEfficiency | None = None, boundaries: Sequence[int] | None = None,
-              include_update: bool = True) -> Estimate:
+              include_update: bool = True, model: int = 1, zero: int = 0) -> Estimate:
     """One configuration: `worker_step` plus the all-reduce over `data` (and, with
     `stat`, time to accuracy). `boundaries` fixes the stage split (default: the
-    planner's); `include_update=False` drops the optimizer update (a value_and_grad step)."""
-    if data < 1 or pipe < 1:
-        raise ValueError(f"step_time: data={data} and pipe={pipe} must be >= 1.")
+    planner's); `include_update=False` drops the optimizer update (a value_and_grad step);
+    `model`: tensor-parallel degree; `zero=1`: optimizer state sharded over `data`."""
+    if data < 1 or pipe < 1 or model < 1 or zero not in (0, 1):
+        raise ValueError(f"step_time: data={data}, pipe={pipe} and model={model} must be >= 1, "
+                         f"zero={zero} 0 or 1.")
     est = worker_step(costs, hw, pipe=pipe, num_microbatches=num_microbatches,
                       per_worker_batch=per_worker_batch, schedule=schedule,
                       optimizer_states=optimizer_states, data=data, boundaries=boundaries,
-                      include_update=include_update)
+                      include_update=include_update, model=model, zero=zero)
     return with_accuracy(est, stat) if stat is not None else est
 
 
@@ -331,114 +389,18 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclasses.dataclass
-class Projection:
-    """Every configuration tried (`rows`, feasible or not) for each device count."""
-    model: str
-    hardware: str
-    devices: list
-    per_worker_batch: int
-    stat: StatEfficiency
-    rows: list
-
-    def best(self, n: int, hybrid: bool | None = None) -> Estimate | None:
-        """Fastest feasible config on n devices: DP-only (hybrid=False), pipe > 1
-        (hybrid=True) or any (None)."""
-        ok = [r for r in self.rows if r.devices == n and r.feasible and
-              (hybrid is None or (r.pipe > 1) == hybrid)]
-        return min(ok, key=lambda r: r.time_to_accuracy) if ok else None
-
-    def summary(self) -> list[dict]:
-        out = []
-        for n in self.devices:
-            dp, hy = self.best(n, False), self.best(n, True)
-            sp = dp.time_to_accuracy / hy.time_to_accuracy if dp and hy else math.nan
-            out.append(dict(devices=n, dp=dp, hybrid=hy, speedup=sp,
-                            winner="hybrid" if hy and (not dp or sp > 1) else ("dp" if dp else "-")))
-        return out
-
-    @property
-    def crossover(self) -> int | None:
-        """Smallest N where the best hybrid config beats the best DP-only one."""
-        return next((s["devices"] for s in self.summary() if s["winner"] == "hybrid"), None)
-
-    def at_scale(self) -> dict:
-        """Best DP-only time over all N against the best hybrid time over all N (Pal et
-        al.'s comparison: what each strategy can achieve at scale)."""
-        pick = lambda h: min((r for r in self.rows if r.feasible and (r.pipe > 1) == h),  # noqa: E731
-                             key=lambda r: r.time_to_accuracy, default=None)
-        dp, hy = pick(False), pick(True)
-        sp = dp.time_to_accuracy / hy.time_to_accuracy if dp and hy else math.nan
-        return dict(dp=dp, hybrid=hy, speedup=sp, gain_percent=(sp - 1) * 100)
-
-    def table(self) -> str:
-        def cfg(e):
-            return "-" if e is None else f"{e.data}x{e.pipe} M={e.num_microbatches}"
-
-        def hrs(e):
-            return "-" if e is None else f"{e.time_to_accuracy / 3600:.3g}"
-        head = (f"{self.model} on {self.hardware}, per-worker batch {self.per_worker_batch}; "
-                f"{self.stat.describe()}\n"
-                f"{'N':>6} | {'best DP':>14} {'step ms':>8} {'epochs':>7} {'hours':>8} | "
-                f"{'best hybrid':>15} {'step ms':>8} {'epochs':>7} {'hours':>8} | speedup")
-        lines = [head]
-        for s in self.summary():
-            dp, hy = s["dp"], s["hybrid"]
-            lines.append(
-                f"{s['devices']:>6} | {cfg(dp):>14} {dp.step_time * 1e3 if dp else math.nan:>8.2f} "
-                f"{dp.epochs if dp else math.nan:>7.1f} {hrs(dp):>8} | {cfg(hy):>15} "
-                f"{hy.step_time * 1e3 if hy else math.nan:>8.2f} "
-                f"{hy.epochs if hy else math.nan:>7.1f} {hrs(hy):>8} | {s['speedup']:.3f}")
-        a = self.at_scale()
-        lines.append(f"crossover N = {self.crossover}; at scale: best DP {hrs(a['dp'])} h "
-                     f"({cfg(a['dp'])}, N={a['dp'].devices if a['dp'] else '-'}), best hybrid "
-                     f"{hrs(a['hybrid'])} h ({cfg(a['hybrid'])}, N="
-                     f"{a['hybrid'].devices if a['hybrid'] else '-'}): speedup {a['speedup']:.3f} "
-                     f"({a['gain_percent']:+.1f}%)")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        conv = lambda e: e.to_dict() if isinstance(e, Estimate) else e  # noqa: E731
-        clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x  # noqa: E731
-        return dict(model=self.model, hardware=self.hardware, devices=self.devices,
-                    per_worker_batch=self.per_worker_batch, stat_efficiency=self.stat.to_dict(),
-                    crossover=self.crossover,
-                    at_scale={k: clean(conv(v)) for k, v in self.at_scale().items()},
-                    summary=[{k: clean(conv(v)) for k, v in s.items()} for s in self.summary()],
-                    configs=[r.to_dict() for r in self.rows])
-
-    def plot(self, path: str) -> None:
-        """PNG: time to accuracy vs N (log-log), best DP-only vs best hybrid."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        for hybrid, label, style in ((False, "data parallel only", "o-"), (True, "hybrid DP x PP", "s-")):
-            pts = [(n, e.time_to_accuracy / 3600) for n in self.devices
-                   if (e := self.best(n, hybrid)) is not None]
-            if pts:
-                ax.plot(*zip(*pts), style, label=label)
-        if self.crossover:
-            ax.axvline(self.crossover, color="gray", ls=":", label=f"crossover N={self.crossover}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("devices N")
-        ax.set_ylabel("time to accuracy (hours)")
-        ax.set_title(f"{self.model} on {self.hardware} (b={self.per_worker_batch} per worker)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-
-
 def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
            per_worker_batch: int, microbatches: Sequence[int] | None = None,
            schedules: Sequence[str] = ("1f1b",), max_pipe: int | None = None,
-           optimizer_states: int = 1, model: str = "model") -> Projection:
-    """Every (data, pipe, M, schedule) with data * pipe = N for each N in `devices`, pipe <=
+           optimizer_states: int = 1, model: str = "model", model_degrees: Sequence[int] = (1,),
+           zero: Sequence[int] = (0,)) -> Projection:
+    """Every (data, pipe, model, ZeRO, M, schedule) with data * pipe * model = N for each N
+    in `devices`, model in `model_degrees`, ZeRO in `zero` (only with data > 1), pipe <=
     number of layers (and <= max_pipe), M dividing the per-worker batch (and in
-    `microbatches` if given); each with its step time, memory and time to accuracy."""
+    `microbatches` if given); each with its step time, memory and time to accuracy
+    (configurations that do not fit memory are kept as infeasible rows, with a reason).
+    Model degrees must divide the layers' split dimensions (heads, MLP width): the
+    costs do not say which do."""
     b = int(per_worker_batch)
     if b < 1:
         raise ValueError(f"search: per_worker_batch={per_worker_batch} must be >= 1.")
@@ -456,15 +418,19 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     cores: dict = {}
     rows = []
     for n in devices:
-        for pipe in divisors(n):
-            if pipe > L or (max_pipe is not None and pipe > max_pipe):
+        for t, pipe, z in ((t, p, z) for t in model_degrees if n % t == 0
+                           for p in divisors(n // t) for z in zero):
+            data = n // (t * pipe)
+            if pipe > L or (max_pipe is not None and pipe > max_pipe) or (z and data == 1):
                 continue
-            data = n // pipe
             for sched in schedules:
                 for m in ms:
-                    key = (pipe, m, sched, data if math.isfinite(hw.compute_slots) else None)
+                    # The pipeline part depends on data only through shared cores or ZeRO.
+                    key = (pipe, t, z, m, sched,
+                           data if math.isfinite(hw.compute_slots) or z else None)
                     if key not in cores:
-                        cores[key] = _pipeline(cached, hw, pipe, m, b, sched, optimizer_states, data)
+                        cores[key] = _pipeline(cached, hw, pipe, m, b, sched, optimizer_states,
+                                               data, None, t, z)
                     rows.append(with_accuracy(_finish(cores[key], cached, hw, data, optimizer_states),
                                              stat))
     return Projection(model, hw.name, devices, b, stat, rows)

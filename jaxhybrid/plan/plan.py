@@ -17,6 +17,7 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
+from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import (choose_remat, choose_remat_spmd, recompute_time, spmd_memory,
                                   stage_memory)
 from jaxhybrid.plan.step_model import lockstep_time
@@ -199,7 +200,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
               boundaries: Sequence[int] | None = None, memory_model: str = "spmd",
-              virtual_stages: int = 1) -> Plan:
+              virtual_stages: int = 1, model: int = 1, zero_shards: int = 1) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -207,7 +208,12 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     `memory_budget` is set, and the resulting predicted times and memory.
     memory_model: "spmd" (jaxhybrid's runtime: every device sizes its buffers for the
     largest stage; the budget bounds `device_memory`) or "per_stage" (each stage its own
-    program, Pipe-Torch's model); see `jaxhybrid.plan.remat`."""
+    program, Pipe-Torch's model); see `jaxhybrid.plan.remat`.
+    model: tensor-parallel degree (times and memory of one device's share of each layer,
+    `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
+    (ZeRO; 1 without). Both only with the "spmd" memory model."""
+    if memory_model != "spmd" and (model, zero_shards) != (1, 1):
+        raise ValueError("make_plan: model= and zero_shards= need memory_model='spmd'.")
     if memory_model not in ("spmd", "per_stage"):
         raise ValueError(f"make_plan: memory_model={memory_model!r}; choose 'spmd' or 'per_stage'.")
     costs = list(costs)
@@ -231,7 +237,9 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: {S} stages x data={data} need {S * data} devices but the "
                          f"topology has {topology.n}; pass a bigger topology.")
     budget = None if memory_budget is None else parse_bytes(memory_budget)
-    t = np.array([c.fwd_time + c.bwd_time for c in costs])
+    shard = dict(model=model, zero_shards=zero_shards)
+    times = [local_cost(c, model) for c in costs]     # one device's share of each layer
+    t = np.array([c.fwd_time + c.bwd_time for c in times])
     link = {}
     if topology is not None:
         link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in costs], data=data,
@@ -262,15 +270,17 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
 
     remat, device_mem = [False] * L, None
     if budget is not None and memory_model == "spmd":
-        remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor)
+        remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor,
+                                  **shard)
     elif budget is not None:
         remat = choose_remat(costs, cuts, sched.stage_in_flight(), budget,
                              param_state_factor=param_state_factor)
-    fwd = stage_sums([c.fwd_time for c in costs], cuts)
-    bwd = stage_sums([c.bwd_time for c in costs], cuts)
-    bwd = bwd + recompute_time(costs, cuts, remat)
+    fwd = stage_sums([c.fwd_time for c in times], cuts)
+    bwd = stage_sums([c.bwd_time for c in times], cuts)
+    bwd = bwd + recompute_time(times, cuts, remat)
     if memory_model == "spmd":
-        mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
+        mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
+                                      **shard)
     else:
         mem = stage_memory(costs, cuts, sched.stage_in_flight(), remat,
                            param_state_factor=param_state_factor)
@@ -290,7 +300,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
                      stages: int | None = None, measure: bool = False, objective: str | None = None):
     """Profiles the config's model on one microbatch and plans it: the library side of
-    scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe},
+    scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe,model},
+    config.train.zero,
     config.pipeline.{schedule,num_microbatches,remat,memory_budget,boundaries},
     config.train.batch_size. `memory_budget` (argument) overrides the config's, which is
     used only with pipeline.remat="auto" (as `Pipeline` does). Returns (plan, costs)."""
@@ -328,8 +339,10 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     cuts = get("pipeline", "boundaries")
     schedule = get("pipeline", "schedule", "1f1b")
     v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
+    model, zero = int(get("mesh", "model", 1)), int(get("train", "zero", 0))
     plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
-                     data=data, topology=topology, memory_budget=budget,
+                     data=data, topology=topology, memory_budget=budget, model=model,
+                     zero_shards=data if zero else 1,
                      objective=objective or get("pipeline", "objective", "bottleneck"),
                      boundaries=None if cuts is None else [int(b) for b in cuts])
     return plan, costs

@@ -56,6 +56,7 @@ import numpy as np
 
 from jaxhybrid.boundaries import stage_ranges
 from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.topology import fmt_bytes, parse_bytes
 
 
@@ -197,12 +198,29 @@ def _kept_transient(costs, a, b, r):
     return float(kept), float(trans)
 
 
+def _on_device(costs, param_state_factor, model, zero_shards, optimizer_factor):
+    """The layers and the parameter-state factor as one device holds them: at model
+    degree `model` its share of each layer (`model_axis.local_cost`: what the logical
+    rules split over "model" / model), and with ZeRO the `optimizer_factor` part of the
+    factor (optimizer state, x param bytes) divided over `zero_shards` data replicas."""
+    if model < 1 or zero_shards < 1:
+        raise ValueError(f"model={model} and zero_shards={zero_shards} must be >= 1.")
+    factor = param_state_factor - optimizer_factor * (1.0 - 1.0 / zero_shards)
+    return [local_cost(c, model) for c in costs], factor
+
+
 def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                 remat: Sequence[bool] | None = None, *,
-                param_state_factor: float = 4) -> tuple[np.ndarray, float]:
+                param_state_factor: float = 4, model: int = 1, zero_shards: int = 1,
+                optimizer_factor: float = 2) -> tuple[np.ndarray, float]:
     """SPMD model (module docstring): (per stage, the device bytes if every stage were
     like this one; the device bytes of the real program, >= the per-stage maximum).
-    `schedule`: a `jaxhybrid.schedules.Schedule` (its slot counts size the buffers)."""
+    `schedule`: a `jaxhybrid.schedules.Schedule` (its slot counts size the buffers).
+    model: tensor-parallel degree; zero_shards: data replicas the optimizer state
+    (`optimizer_factor` x param bytes of the factor: Adam's 2 moments) is split over
+    (ZeRO; 1 without), both applied by `_on_device`."""
+    costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
+                                           optimizer_factor)
     L = len(costs)
     ranges = stage_ranges(boundaries, L)
     if schedule.num_stages != len(ranges):
@@ -262,7 +280,8 @@ def _spmd_stage_pick(opts, delta, fwd, saved_sum, cap, work_cap):
 
 def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                       memory_budget: float | str, *, param_state_factor: float = 4,
-                      exact_limit: int = 16, max_caps: int = 256) -> list[bool]:
+                      exact_limit: int = 16, max_caps: int = 256, model: int = 1,
+                      zero_shards: int = 1, optimizer_factor: float = 2) -> list[bool]:
     """Per-layer recompute flags so that the SPMD program's device memory
     (`spmd_memory(...)[1]`) fits `memory_budget` with the slowest stage as fast as
     possible (then the least total recompute). MemoryBudgetError when it cannot fit.
@@ -275,6 +294,8 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     greedy ratio rule). C is searched over the kept values the stages can reach (at most
     `max_caps` of them, spread over the range when there are more)."""
     budget = parse_bytes(memory_budget)
+    costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
+                                           optimizer_factor)
     L = len(costs)
     ranges = stage_ranges(boundaries, L)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
