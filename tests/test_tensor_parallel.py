@@ -46,11 +46,19 @@ def _pipeline(name, data, pipe_size, model, schedule, M, **kw):
     return pipe, pipe.pack(_per_layer(name))
 
 
-@pytest.mark.parametrize("name,data,pipe_size,model,schedule", [
-    ("gpt", 1, 2, 2, "1f1b"), ("gpt", 2, 2, 2, "zb-h1"), ("gpt", 1, 4, 2, "gpipe"),
-    ("gpt", 2, 1, 4, "1f1b"), ("gpt", 1, 2, 2, "interleaved"),
-    ("mixed", 1, 2, 2, "zbv"), ("mixed", 2, 2, 2, "1f1b"), ("mixed", 1, 4, 2, "zb-h1"),
-    ("mixed", 2, 1, 4, "gpipe")])
+SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+PIPELINED_MESHES = ((1, 2, 2), (2, 2, 2), (1, 4, 2))
+# The mixed test model on every (data, pipe, model) mesh x synchronous schedule (the
+# asynchronous ones compute this same gradient without an optimizer); (2, 1, 4) is one
+# stage, the same program whatever the schedule. GPT tiny (the real tensor-parallel
+# rules) on each mesh and each schedule at least once.
+CASES = ([("mixed", *mesh, s) for mesh in PIPELINED_MESHES for s in SYNC_SCHEDULES]
+         + [("mixed", 2, 1, 4, "gpipe"),
+            ("gpt", 1, 2, 2, "1f1b"), ("gpt", 2, 2, 2, "zb-h1"), ("gpt", 1, 4, 2, "gpipe"),
+            ("gpt", 2, 1, 4, "1f1b"), ("gpt", 1, 2, 2, "interleaved"), ("gpt", 2, 2, 2, "zbv")])
+
+
+@pytest.mark.parametrize("name,data,pipe_size,model,schedule", CASES)
 def test_tensor_parallel_matches_the_reference(name, data, pipe_size, model, schedule):
     layers, loss_fn, batch = _model(name)
     M = 2
