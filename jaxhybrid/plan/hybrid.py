@@ -51,7 +51,7 @@ from jaxhybrid.plan.hardware import Hardware
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
-from jaxhybrid.plan.step_model import lockstep_time
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 
@@ -236,7 +236,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     engine_costs = [dataclasses.replace(
         c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
         saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
-        out_bytes=c.out_bytes * bs) for c in per_layer]
+        out_bytes=c.out_bytes * bs, bwd_temp_bytes=c.bwd_temp_bytes * bs) for c in per_layer]
     factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
     F, B = stage_sums(fwd, cuts), stage_sums(bwd, cuts)
     flags = [False] * L
@@ -263,8 +263,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
         per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
         device_params = np.bincount(dev, weights=params, minlength=pipe)
-        engine = hw.tick_overhead + (device_params.max() * hw.tick_param_bytes / hw.mem_bandwidth
-                                     if hw.tick_param_bytes else 0.0)
+        engine = engine_tick_cost(hw, device_params.max())
     st = lockstep_time(sched, F, B, data=data, compute_slots=hw.compute_slots,
                        tick_overhead=engine, transfer_per_tick=per_tick_comm)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Sequence
 
 import numpy as np
@@ -17,9 +18,8 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
-from jaxhybrid.plan.remat import (choose_remat, choose_remat_spmd, recompute_time, spmd_memory,
-                                  stage_memory)
-from jaxhybrid.plan.step_model import lockstep_time
+from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -37,7 +37,7 @@ class Plan:
     stage_compute_time: list[float]      # fwd + bwd (+ recompute) per microbatch
     stage_transfer_time: list[float]     # outgoing activation + its gradient, per microbatch
     stage_allreduce_time: list[float]    # gradient all-reduce over `data`, per step
-    stage_memory: list[float]            # bytes per device (remat.stage_memory / spmd_memory)
+    stage_memory: list[float]            # bytes per device if every stage were this one
     layer_names: list[str]
     memory_budget: float | None = None
     objective: str = "bottleneck"
@@ -45,10 +45,14 @@ class Plan:
     stage_bwd_time: list[float] | None = None   # counts in the backward)
     microbatch_size: int | None = None
     topology: str | None = None
-    memory_model: str = "per_stage"             # "spmd": buffers padded to the largest stage
-    device_memory: float | None = None          # spmd: bytes every device allocates
+    device_memory: float | None = None          # bytes every device allocates (`spmd_memory`)
     virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
     schedule_options: dict | None = None        # the schedule builder's options
+    # The engine's costs on the hardware planned for (`make_plan(hardware=...)`, e.g. the
+    # stored calibration of this device kind): seconds per device per tick, and how many
+    # devices compute at once (None: all).
+    tick_overhead: float = 0.0
+    compute_slots: float | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -90,9 +94,12 @@ class Plan:
     def predicted_step_time(self) -> float:
         """The schedule's lock-step ticks (`plan.step_model`, the model the projection
         uses too) with each boundary transfer split over the forward and backward task
-        that cross it, plus the slowest stage's all-reduce."""
+        that cross it, the engine's per-tick cost and shared compute slots of the
+        hardware planned for, plus the slowest stage's all-reduce."""
         f, b = self._tick_costs()
-        return lockstep_time(self.schedule_table(), f, b,
+        return lockstep_time(self.schedule_table(), f, b, data=self.data,
+                             compute_slots=self.compute_slots or math.inf,
+                             tick_overhead=self.tick_overhead,
                              allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
     @property
@@ -110,9 +117,9 @@ class Plan:
                  + (f" of {self.microbatch_size}" if self.microbatch_size else "")
                  + f", objective {self.objective}",
                  f"  topology: {self.topology or 'none (no link costs)'}; memory budget: "
-                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}; memory "
-                 f"model {self.memory_model}" + (f", device memory {fmt_bytes(self.device_memory)}"
-                                                 if self.device_memory is not None else "")]
+                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}"
+                 + (f"; device memory {fmt_bytes(self.device_memory)}"
+                    if self.device_memory is not None else "")]
         head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
         lines += [head, "-" * len(head)]
@@ -198,18 +205,17 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               memory_budget: float | str | None = None, objective: str = "bottleneck",
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
-              boundaries: Sequence[int] | None = None, memory_model: str = "spmd",
-              virtual_stages: int = 1) -> Plan:
+              boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
+              hardware=None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
     re-partitioning until the mapping stops changing), recompute choice when
-    `memory_budget` is set, and the resulting predicted times and memory.
-    memory_model: "spmd" (jaxhybrid's runtime: every device sizes its buffers for the
-    largest stage; the budget bounds `device_memory`) or "per_stage" (each stage its own
-    program, Pipe-Torch's model); see `jaxhybrid.plan.remat`."""
-    if memory_model not in ("spmd", "per_stage"):
-        raise ValueError(f"make_plan: memory_model={memory_model!r}; choose 'spmd' or 'per_stage'.")
+    `memory_budget` is set, and the resulting predicted times and memory. Memory is the
+    engine's (`remat.spmd_memory`: every device sizes its buffers for the largest stage;
+    the budget bounds `device_memory`). `hardware` (a `Hardware`, e.g.
+    `calibration.stored_hardware()`): its engine terms (per-tick cost, compute slots)
+    price the predicted step as the projection does; None: layer work and transfers only."""
     costs = list(costs)
     if not costs or not all(isinstance(c, LayerCost) for c in costs):
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
@@ -260,20 +266,20 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         order = new
     _, cuts, order, sc = best
 
-    remat, device_mem = [False] * L, None
-    if budget is not None and memory_model == "spmd":
+    remat = [False] * L
+    if budget is not None:
         remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor)
-    elif budget is not None:
-        remat = choose_remat(costs, cuts, sched.stage_in_flight(), budget,
-                             param_state_factor=param_state_factor)
     fwd = stage_sums([c.fwd_time for c in costs], cuts)
     bwd = stage_sums([c.bwd_time for c in costs], cuts)
     bwd = bwd + recompute_time(costs, cuts, remat)
-    if memory_model == "spmd":
-        mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
-    else:
-        mem = stage_memory(costs, cuts, sched.stage_in_flight(), remat,
-                           param_state_factor=param_state_factor)
+    mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
+    engine, slots = 0.0, None
+    if hardware is not None:
+        if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
+            stage_params = stage_sums([c.param_count for c in costs], cuts)
+            engine = engine_tick_cost(hardware, np.bincount(sched.stage_device,
+                                                            weights=stage_params).max())
+        slots = hardware.compute_slots if math.isfinite(hardware.compute_slots) else None
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -283,8 +289,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
-                memory_model=memory_model, device_memory=device_mem, virtual_stages=v,
-                schedule_options=dict(sched.options))
+                device_memory=device_mem, virtual_stages=v,
+                schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,

@@ -40,6 +40,15 @@ class StepTime:
         return self.pipeline + self.allreduce
 
 
+def engine_tick_cost(hw, device_param_elems: float) -> float:
+    """The engine's own seconds per device per tick on `hw` (a `Hardware`, e.g. the stored
+    calibration of this device kind): `tick_overhead` plus `tick_param_bytes` per element
+    of the device's packed parameter buffer at `mem_bandwidth`."""
+    per_param = (float(device_param_elems) * hw.tick_param_bytes / hw.mem_bandwidth
+                 if hw.tick_param_bytes else 0.0)
+    return float(hw.tick_overhead) + per_param
+
+
 def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.inf) -> np.ndarray:
     """Length of each lock-step tick from the [tick, device] work of one replica."""
     longest = work.max(axis=1)
