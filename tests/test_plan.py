@@ -271,3 +271,28 @@ def test_plan_from_config_reads_boundaries_remat_and_overrides():
     cfg.model.overrides, cfg.train.batch_size = {}, 3
     with pytest.raises(ValueError, match="not divisible"):
         plan_from_config(cfg)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_plan_and_projection_price_a_step_alike(schedule, v):
+    # Planner and projection are one model: with a calibrated device's engine terms
+    # (per-tick cost, per-parameter cost, shared compute slots) the plan's predicted
+    # step is the projection's pipeline time for the same split, and the engine adds
+    # to it exactly what the calibration says.
+    from jaxhybrid.plan import hybrid
+    from jaxhybrid.plan.hardware import measured_device
+    costs = hetero(10)
+    # (links so fast that transfers vanish: the plan prices them per stage boundary
+    # only with a topology)
+    hw = measured_device("cal", mem_bandwidth=1e9, compute_slots=2.0, tick_overhead=0.05,
+                         tick_param_bytes=8.0, bandwidth=1e30, latency=0.0)
+    p = make_plan(costs, num_stages=2, num_microbatches=4, schedule=schedule, virtual_stages=v,
+                  hardware=hw)
+    bare = make_plan(costs, num_stages=2, num_microbatches=4, schedule=schedule, virtual_stages=v)
+    est = hybrid.step_time(costs, hw, data=1, pipe=2, num_microbatches=4, schedule=schedule,
+                           per_worker_batch=4 * costs[0].batch_size, boundaries=p.boundaries,
+                           include_update=False)
+    assert p.predicted_step_time == pytest.approx(est.step_time, rel=1e-9)
+    assert p.tick_overhead > 0.05 and p.compute_slots == 2.0
+    assert p.predicted_step_time > bare.predicted_step_time
+    assert Plan.from_json(p.to_json()).predicted_step_time == pytest.approx(p.predicted_step_time)

@@ -73,7 +73,8 @@ flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x
                   "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
-flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4", "calibration configs (microbatch 1).")
+flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4,1x4x4,2x2x8", "calibration configs "
+                  "(microbatch 1).")
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
                     "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
@@ -224,19 +225,24 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
         meas.append(((data, pipe, M), measure_step(cal, data=data, pipe=pipe, M=M, batch=M,
                                                    boundaries=b, **kw)))
 
-    def residuals(x):
-        hw = base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1])
-        return [predict(cal, hw, data=d, pipe=p, M=M, batch=M, schedule=schedule).step_time / t - 1
-                for (d, p, M), t in meas]
+    def engine(x):
+        return base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1],
+                            tick_latency=x[2] * 1e-6)
 
-    fit = least_squares(residuals, [20.0, 16.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
-    hw = base.replace(tick_overhead=fit.x[0] * 1e-6, tick_param_bytes=fit.x[1])
+    def residuals(x):
+        return [predict(cal, engine(x), data=d, pipe=p, M=M, batch=M,
+                        schedule=schedule).step_time / t - 1 for (d, p, M), t in meas]
+
+    fit = least_squares(residuals, [10.0, 8.0, 20.0], bounds=([0.0] * 3, [np.inf] * 3))
+    hw = engine(fit.x)
     info = dict(stream_bandwidth=bw, dp_1x1=t1, dp_nx1=tn, compute_slots=slots,
                 tick_overhead=hw.tick_overhead, tick_param_bytes=hw.tick_param_bytes,
+                tick_latency=hw.tick_latency,
                 rows=[dict(config="x".join(map(str, c)), measured=t) for c, t in meas],
                 residuals=[float(r) for r in residuals(fit.x)])
     log(f"calibration: engine tick_overhead={hw.tick_overhead * 1e6:.1f} us/device/tick, "
-        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick "
+        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick, "
+        f"tick_latency={hw.tick_latency * 1e6:.1f} us per tick "
         f"(fit to {', '.join(r['config'] for r in info['rows'])} of the width-{cal.width} "
         f"model, microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
     return hw, info
@@ -246,7 +252,7 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
              runs: int = 7, reduce: str = "median") -> list[dict]:
     """Predicted vs measured step for each (data, pipe, M), or each (schedule, data, pipe,
     M, width) (`parse_val_configs`; other widths: a `Model` of that width, same depth)."""
-    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0)
+    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0, tick_latency=0.0)
     models = {model.width: model}
     rows = []
     for config in configs:

@@ -153,13 +153,14 @@ class Pipeline:
 
     def _make_plan(self, fixed: bool):
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
+        from jaxhybrid.plan.calibration import stored_hardware
         costs = (_profile_cached(self.layers, self._sample) if self.splitter is None
                  else self.splitter.costs(self._sample))   # lowered pieces, no compiles
         return planner.make_plan(
             costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
             schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
-            boundaries=self.boundaries if fixed else None)
+            boundaries=self.boundaries if fixed else None, hardware=stored_hardware())
 
     @property
     def plan(self):

@@ -256,16 +256,17 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
 
     # The lock-step pipeline.
-    per_tick_comm = engine = 0.0
+    per_tick_comm = engine = latency = 0.0
     if pipe > 1:
         nb = out_bytes[np.array(cuts) - 1].max()   # padded to the largest boundary
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
         per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
         device_params = np.bincount(dev, weights=params, minlength=pipe)
-        engine = engine_tick_cost(hw, device_params.max())
+        engine, latency = engine_tick_cost(hw, device_params.max()), hw.tick_latency
     st = lockstep_time(sched, F, B, data=data, compute_slots=hw.compute_slots,
-                       tick_overhead=engine, transfer_per_tick=per_tick_comm)
+                       tick_overhead=engine, transfer_per_tick=per_tick_comm,
+                       tick_latency=latency)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline
     est.bubble_fraction = sched.bubble_fraction(F, B)

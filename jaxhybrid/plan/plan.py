@@ -53,6 +53,7 @@ class Plan:
     # devices compute at once (None: all).
     tick_overhead: float = 0.0
     compute_slots: float | None = None
+    tick_latency: float = 0.0                   # seconds per tick, waiting (not work)
 
     def __post_init__(self):
         S = self.num_stages
@@ -99,7 +100,7 @@ class Plan:
         f, b = self._tick_costs()
         return lockstep_time(self.schedule_table(), f, b, data=self.data,
                              compute_slots=self.compute_slots or math.inf,
-                             tick_overhead=self.tick_overhead,
+                             tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
                              allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
     @property
@@ -273,12 +274,13 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     bwd = stage_sums([c.bwd_time for c in costs], cuts)
     bwd = bwd + recompute_time(costs, cuts, remat)
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
-    engine, slots = 0.0, None
+    engine, latency, slots = 0.0, 0.0, None
     if hardware is not None:
         if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
             stage_params = stage_sums([c.param_count for c in costs], cuts)
             engine = engine_tick_cost(hardware, np.bincount(sched.stage_device,
                                                             weights=stage_params).max())
+            latency = hardware.tick_latency
         slots = hardware.compute_slots if math.isfinite(hardware.compute_slots) else None
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
@@ -290,16 +292,20 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
                 device_memory=device_mem, virtual_stages=v,
-                schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots)
+                schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots,
+                tick_latency=latency)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
-                     stages: int | None = None, measure: bool = False, objective: str | None = None):
+                     stages: int | None = None, measure: bool = False, objective: str | None = None,
+                     hardware="stored"):
     """Profiles the config's model on one microbatch and plans it: the library side of
     scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe},
     config.pipeline.{schedule,num_microbatches,remat,memory_budget,boundaries},
     config.train.batch_size. `memory_budget` (argument) overrides the config's, which is
-    used only with pipeline.remat="auto" (as `Pipeline` does). Returns (plan, costs)."""
+    used only with pipeline.remat="auto" (as `Pipeline` does). hardware: "stored" (this
+    device kind's stored calibration, `calibration.stored_hardware`, if any), a
+    `Hardware`, or None (no engine terms). Returns (plan, costs)."""
     from jaxhybrid.models import get_model   # plan/ may use models, never pipeline/
     from jaxhybrid.plan.costs import profile
 
@@ -334,7 +340,11 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     cuts = get("pipeline", "boundaries")
     schedule = get("pipeline", "schedule", "1f1b")
     v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
+    if isinstance(hardware, str):
+        from jaxhybrid.plan.calibration import stored_hardware
+        hardware = stored_hardware()
     plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
+                     hardware=hardware,
                      data=data, topology=topology, memory_budget=budget,
                      objective=objective or get("pipeline", "objective", "bottleneck"),
                      boundaries=None if cuts is None else [int(b) for b in cuts])

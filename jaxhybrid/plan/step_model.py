@@ -12,6 +12,8 @@ compare predictions with measured steps.
     engine         `tick_overhead`, the engine's own cost per device per tick (control
                    flow, the packed-buffer reads: `Hardware.tick_overhead` and
                    `tick_param_bytes`), added to every device's work of every tick;
+                   and `tick_latency` (`Hardware.tick_latency`) added once to every
+                   tick: waiting (the tick's collectives' rendezvous), not work;
     transfer       `transfer_per_tick` x number of ticks (the tick-level ppermutes);
     all-reduce     after the flush, not overlapped.
 """
@@ -59,7 +61,7 @@ def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.in
 
 def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots: float = math.inf,
               tick_overhead: float = 0.0, transfer_per_tick: float = 0.0,
-              allreduce: float = 0.0) -> StepTime:
+              allreduce: float = 0.0, tick_latency: float = 0.0) -> StepTime:
     """The step of `schedule` (a `jaxhybrid.schedules.Schedule`) with per-stage forward
     and (full) backward costs, under the model in the module docstring."""
     work = schedule.work(fwd_cost, bwd_cost)
@@ -67,5 +69,6 @@ def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots:
     engine = 0.0
     if tick_overhead:
         engine = float(tick_lengths(work + tick_overhead, data, compute_slots).sum()) - compute
+    engine += float(tick_latency) * schedule.num_ticks
     return StepTime(compute, engine, float(transfer_per_tick) * schedule.num_ticks,
                     float(allreduce))
