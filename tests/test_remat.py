@@ -30,6 +30,36 @@ def bottleneck(costs, cuts, remat):
     return float((base + recompute_time(costs, cuts, remat)).max())
 
 
+def test_memory_model_by_hand():
+    import dataclasses
+
+    from jaxhybrid.plan.remat import memory_terms
+    costs = [dataclasses.replace(layer(0, saved=1000, inp=100, params=40), bwd_temp_bytes=30,
+                                 state_bytes=16),
+             dataclasses.replace(layer(1, saved=3000, inp=200, params=8, out=50), bwd_temp_bytes=70,
+                                 saved_by_dtype={"float32": 2000, "bool": 1000})]
+    sched = make_schedule("1f1b", 2, 4)
+    rings = sched.ring_slots()[1]
+    # params + Adam moments + accumulator and microbatch gradient, state, inboxes (stage
+    # 0's 100-byte output in each activation/gradient slot), 4 microbatches of input.
+    fixed = 40 + 2 * 40 + 2 * 40 + 16 + (rings["act"] + 1 + rings["grad"] + 1) * 100 + 4 * 100
+    # Stash row: per dtype the largest stage's residuals; the last stage also keeps the
+    # loss's (its 50-byte output): float32 max(1000, 2000 + 50) + bool 1000.
+    row = 2050 + 1000
+    # Backward work: largest layer's in + out cotangents + the stage's backward temporaries.
+    work = [100 + 100 + 30, 200 + 50 + 70]
+    per_stage, device = spmd_memory(costs, [1], sched)
+    rows = rings["stash"] + 1
+    assert device == fixed + rows * row + max(work)
+    assert list(per_stage) == [fixed + rows * 1000 + work[0], fixed + rows * 3050 + work[1]]
+    terms = memory_terms(costs, [1], sched)
+    assert terms["stash"] == rings["stash"] * row and terms["working"] == row + max(work)
+    assert sum(terms.values()) == device
+    # Recomputing layer 1 keeps its 200-byte input and re-materialises 2800 transiently.
+    _, dev_r = spmd_memory(costs, [1], sched, [False, True])
+    assert dev_r == fixed + rows * max(1000, 200 + 50) + 2800 + work[1]
+
+
 def device_memory(costs, cuts, sched, remat=None):
     return spmd_memory(costs, cuts, sched, remat)[1]
 
