@@ -22,8 +22,8 @@ HELD_OUT = [(1, 2, 8), (1, 4, 4), (1, 8, 8), (1, 2, 2)]
 
 @pytest.fixture(scope="module")
 def setup():
-    model = pb.Model(256, 7)
-    cal = pb.Model(512, 7)
+    model = pb.Model(256, 7, profile_rounds=1)
+    cal = pb.Model(512, 7, profile_rounds=1)
     # Minimum of the runs: other processes on the host only ever add time.
     hw, info = pb.calibrate(model, cal, configs=[(1, 2, 8), (1, 8, 8), (2, 4, 4)], batch=BATCH,
                             runs=5, reduce="min", log=lambda *a: None)

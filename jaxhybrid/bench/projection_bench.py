@@ -98,6 +98,7 @@ class Model:
     width: int
     blocks: int
     reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
+    profile_rounds: int = 3   # profiles per microbatch size, per layer the least (`costs`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -110,15 +111,15 @@ class Model:
         return (r.standard_normal((n, self.width), np.float32),
                 r.integers(0, 10, n).astype(np.int32))
 
-    def costs(self, m: int, repeats: int = 7, rounds: int = 3):
+    def costs(self, m: int, repeats: int = 7):
         """Measured per-layer costs at microbatch m (profiled once per size): each layer's
-        times the least of `rounds` profiles (seconds apart; reduce="min") or their
+        times the least of `profile_rounds` profiles (seconds apart; reduce="min") or their
         median, so that a burst of load during one layer's timed runs does not make it
         the slowest layer of the model."""
         if m not in self._costs:
             runs = [profile(self.layers, self.batch(m)[0], measure=True, repeats=repeats,
                             variables=self.variables, reduce=self.reduce)
-                    for _ in range(max(1, rounds))]
+                    for _ in range(max(1, self.profile_rounds))]
             pick = min if self.reduce == "min" else statistics.median
             self._costs[m] = [dataclasses.replace(
                 layer, fwd_time=pick([r[i].fwd_time for r in runs]),
@@ -285,7 +286,7 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks, model.reduce))
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce, model.profile_rounds))
         est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=batch,
