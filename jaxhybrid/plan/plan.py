@@ -147,6 +147,7 @@ class Plan:
     @classmethod
     def from_json(cls, s: str) -> "Plan":
         d = json.loads(s)
+        d.pop("memory_model", None)   # older plans named their memory model (now one model)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
