@@ -51,7 +51,7 @@ from jaxhybrid.plan.hardware import Hardware
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
-from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 
@@ -261,7 +261,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         nb = out_bytes[np.array(cuts) - 1].max()   # padded to the largest boundary
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
-        per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
+        per_tick_comm = tick_transfer(topo, links, nb)
         device_params = np.bincount(dev, weights=params, minlength=pipe)
         engine, latency = engine_tick_cost(hw, device_params.max()), hw.tick_latency
     st = lockstep_time(sched, F, B, data=data, compute_slots=hw.compute_slots,

@@ -1,10 +1,12 @@
 """The Plan object (what the pipeline runs) and `make_plan` (costs -> plan).
 
 Times in a Plan are seconds per microbatch, except `stage_allreduce_time` (per step).
-Predicted step time = sum of the schedule's lock-step tick times, where stage s's
-forward slot costs fwd_s + transfer_s / 2 and its backward slot bwd_s + transfer_s / 2
-(activation out, gradient back), plus the slowest stage's gradient all-reduce after the
-last backward (stages all-reduce concurrently over disjoint replica groups).
+Predicted step time = the schedule's lock-step ticks (`plan.step_model`, the engine's
+model that the projection uses too): per tick the slowest slot, the boundary transfers
+(every device sends an activation and a gradient padded to the largest boundary, the
+slowest link setting the pace) and the engine's per-tick costs, plus the slowest stage's
+gradient all-reduce after the last backward (stages all-reduce concurrently over
+disjoint replica groups). `stage_transfer_time` is what the partition balances.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
-from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -54,6 +56,7 @@ class Plan:
     tick_overhead: float = 0.0
     compute_slots: float | None = None
     tick_latency: float = 0.0                   # seconds per tick, waiting (not work)
+    transfer_per_tick: float = 0.0              # the tick's boundary transfers (topology)
 
     def __post_init__(self):
         S = self.num_stages
@@ -84,8 +87,7 @@ class Plan:
         return float(self.stage_time.max())
 
     def _tick_costs(self):
-        half = np.array(self.stage_transfer_time) / 2
-        return np.array(self.stage_fwd_time) + half, np.array(self.stage_bwd_time) + half
+        return np.array(self.stage_fwd_time), np.array(self.stage_bwd_time)
 
     def schedule_table(self):
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
@@ -94,13 +96,14 @@ class Plan:
     @property
     def predicted_step_time(self) -> float:
         """The schedule's lock-step ticks (`plan.step_model`, the model the projection
-        uses too) with each boundary transfer split over the forward and backward task
-        that cross it, the engine's per-tick cost and shared compute slots of the
-        hardware planned for, plus the slowest stage's all-reduce."""
+        uses too) with the tick's boundary transfers, the engine's per-tick costs and
+        shared compute slots of the hardware planned for, plus the slowest stage's
+        all-reduce."""
         f, b = self._tick_costs()
         return lockstep_time(self.schedule_table(), f, b, data=self.data,
                              compute_slots=self.compute_slots or math.inf,
                              tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
+                             transfer_per_tick=self.transfer_per_tick,
                              allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
     @property
@@ -275,7 +278,11 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     bwd = stage_sums([c.bwd_time for c in costs], cuts)
     bwd = bwd + recompute_time(costs, cuts, remat)
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor)
-    engine, latency, slots = 0.0, 0.0, None
+    engine, latency, slots, per_tick = 0.0, 0.0, None, 0.0
+    if topology is not None and S > 1:   # (no virtual stages with a topology, above)
+        dev = list(range(S * data)) if order is None else order
+        links = {(dev[r * S + k], dev[r * S + k + 1]) for r in range(data) for k in range(S - 1)}
+        per_tick = tick_transfer(topology, links, max(costs[b - 1].out_bytes for b in cuts))
     if hardware is not None:
         if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
             stage_params = stage_sums([c.param_count for c in costs], cuts)
@@ -294,7 +301,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 topology=None if topology is None else (topology.description or repr(topology)),
                 device_memory=device_mem, virtual_stages=v,
                 schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots,
-                tick_latency=latency)
+                tick_latency=latency, transfer_per_tick=per_tick)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,

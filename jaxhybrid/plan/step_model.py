@@ -42,6 +42,13 @@ class StepTime:
         return self.pipeline + self.allreduce
 
 
+def tick_transfer(topology, links, nbytes: float) -> float:
+    """Seconds of a tick's boundary transfers: every device sends one activation and one
+    gradient, each padded to the largest boundary (`nbytes`), the slowest of `links`
+    (device pairs of consecutive stages) setting the pace."""
+    return 2 * max([topology.transfer_time(a, b, nbytes) for a, b in links], default=0.0)
+
+
 def engine_tick_cost(hw, device_param_elems: float) -> float:
     """The engine's own seconds per device per tick on `hw` (a `Hardware`, e.g. the stored
     calibration of this device kind): `tick_overhead` plus `tick_param_bytes` per element
