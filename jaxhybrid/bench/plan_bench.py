@@ -147,8 +147,9 @@ MAPPING_NOTES = {
             "crosses nodes; the mapping keeps each replica inside one node.",
     (4, 2): "either the pipeline cut or the stage all-reduces must cross nodes; the mapping "
             "picks the cheaper one for the split it is given. The planner's own split is best "
-            "per microbatch (its objective amortises the all-reduce over M); the predicted step, "
-            "which pays the all-reduce once after the drain, prefers the mapped one.",
+            "per microbatch (its objective amortises the all-reduce over M); in the predicted "
+            "step the mapped layout's cut pays the slow link in every tick, in order only its "
+            "all-reduce once after the drain.",
 }
 
 
