@@ -90,7 +90,7 @@ def _backward_work(costs, a, b) -> float:
     (`LayerCost.bwd_temp_bytes`). The stage's backward is one XLA computation in which
     the layers' temporaries are not reused for one another: in GNMT's compiled step
     (4 LSTM layers per stage) the backward held 282KB of them, the largest layer's own
-    backward 82KB, their sum 197KB."""
+    backward 82KB, the sum of the four 152KB."""
     return float(max(c.in_bytes + c.out_bytes for c in costs[a:b])
                  + sum(c.bwd_temp_bytes for c in costs[a:b]))
 
