@@ -16,9 +16,11 @@ The "hardware" is this host: 8 simulated CPU devices that share its cores. The m
                   and now; those two calibration runs are not validation rows;
   mem_bandwidth   a streaming-add microbenchmark on one device;
   tick_overhead,  the engine's per-device per-tick costs (fixed, and per element of the
-  tick_param_bytes  packed parameter buffer), least-squares fitted to pipelined runs of a
-                  *calibration* model (the same MLP at twice the width: 4x the parameters,
-                  other layer times) at microbatch 1, where they dominate.
+  tick_param_bytes, packed parameter buffer) and its waiting per tick, least-squares
+  tick_latency    fitted to pipelined runs of *calibration* models (the same MLP at
+                  widths 512 and 128, not a validation width: 16x apart in parameters, so
+                  the per-parameter cost and the fixed ones separate) at microbatch 1,
+                  where they dominate.
 
 So every validation row (each pipelined config, and DP at data 2 and 4) is held out:
 no number was fitted on it. A validation config is `[schedule:]DATAxPIPExM[@width]`
@@ -75,8 +77,9 @@ flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x
                   "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
-flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4,1x4x4,2x2x8", "calibration configs "
-                  "(microbatch 1).")
+flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4,1x4x4@128,2x2x8@128,1x8x8@128",
+                  "calibration configs (microbatch 1), data x pipe x M[@width] (default width "
+                  "--cal_width; two widths tell the per-parameter engine cost from the fixed).")
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
                     "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
@@ -227,11 +230,16 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     bw = stream_bandwidth()
     steps = [prepare_step(model, data=d, pipe=1, M=1, batch=batch, boundaries=[],
                           schedule=schedule) for d in (1, n)]
-    for data, pipe, M in configs:
-        b = hybrid.step_time(cal.costs, measured_device("host_cpu", mem_bandwidth=bw),
+    # (data, pipe, M) of the calibration model, or (data, pipe, M, width): a model of
+    # that width, same depth.
+    configs = [tuple(c) if len(c) == 4 else (*c, cal.width) for c in configs]
+    cals = {cal.width: cal}
+    for data, pipe, M, width in configs:
+        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds))
+        b = hybrid.step_time(m.costs, measured_device("host_cpu", mem_bandwidth=bw),
                              data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M,
                              schedule=schedule).boundaries
-        steps.append(prepare_step(cal, data=data, pipe=pipe, M=M, batch=M, boundaries=b,
+        steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=M, boundaries=b,
                                   schedule=schedule))
     t1, tn, *cal_times = time_steps(steps, runs, reduce)
     # n replicas' compute shares C slots: t(nx1) = n t(1x1) / C + the gradient all-reduce
@@ -250,28 +258,29 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
         f"t({n}x1)={tn * 1e3:.2f} ms (all-reduce {ar * 1e3:.2f} ms) -> compute_slots "
         f"C={slots:.2f} (host cores: {os.cpu_count()})")
     base = device(slots)
-    meas = list(zip([tuple(c) for c in configs], cal_times))
+    meas = list(zip(configs, cal_times))
 
     def engine(x):
         return base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1],
                             tick_latency=x[2] * 1e-6)
 
     def residuals(x):
-        return [predict(cal, engine(x), data=d, pipe=p, M=M, batch=M,
-                        schedule=schedule).step_time / t - 1 for (d, p, M), t in meas]
+        return [predict(cals[w], engine(x), data=d, pipe=p, M=M, batch=M,
+                        schedule=schedule).step_time / t - 1 for (d, p, M, w), t in meas]
 
     fit = least_squares(residuals, [10.0, 8.0, 20.0], bounds=([0.0] * 3, [np.inf] * 3))
     hw = engine(fit.x)
     info = dict(stream_bandwidth=bw, dp_1x1=t1, dp_nx1=tn, compute_slots=slots,
                 tick_overhead=hw.tick_overhead, tick_param_bytes=hw.tick_param_bytes,
                 tick_latency=hw.tick_latency,
-                rows=[dict(config="x".join(map(str, c)), measured=t) for c, t in meas],
+                rows=[dict(config="x".join(map(str, c[:3])) + f"@{c[3]}", measured=t)
+                      for c, t in meas],
                 residuals=[float(r) for r in residuals(fit.x)])
     log(f"calibration: engine tick_overhead={hw.tick_overhead * 1e6:.1f} us/device/tick, "
         f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick, "
         f"tick_latency={hw.tick_latency * 1e6:.1f} us per tick "
-        f"(fit to {', '.join(r['config'] for r in info['rows'])} of the width-{cal.width} "
-        f"model, microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
+        f"(fit to {', '.join(r['config'] for r in info['rows'])} (config@width), "
+        f"microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
     return hw, info
 
 
@@ -367,7 +376,8 @@ def main(argv) -> None:
               f"({calibration.path(cache_dir)}): " + ", ".join(
                   f"{k}={v:.4g}" for k, v in doc["terms"].items()))
     else:
-        hw, info = calibrate(model, cal, configs=parse_configs(FLAGS.cal_configs),
+        hw, info = calibrate(model, cal, configs=[c[1:] for c in parse_val_configs(
+                                 FLAGS.cal_configs, None, cal.width)],
                              batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
                              reduce=FLAGS.reduce)
         print(f"calibration stored in {calibration.save(hw, cache_dir, info)}")
