@@ -3,6 +3,7 @@
     python scripts/bench.py pipeline     # bubble, memory, params/device, CPU-seconds ratios
     python scripts/bench.py plan         # planner vs brute force / equal split, mapping, remat
     python scripts/bench.py projection   # step-time model vs the real engine on this host
+    python scripts/bench.py memory       # memory model vs the compiled step, four models
     python scripts/bench.py burst        # burst / multiplexed CPU-seconds, device-time check
     python scripts/bench.py sharding     # params / Adam bytes per device: model axis, ZeRO
     python scripts/bench.py async        # convergence study of the asynchronous schedules
@@ -17,6 +18,7 @@ import sys
 MODES = {"pipeline": "jaxhybrid.bench.pipeline_bench",
          "plan": "jaxhybrid.bench.plan_bench",
          "projection": "jaxhybrid.bench.projection_bench",
+         "memory": "jaxhybrid.bench.memory_bench",
          "burst": "jaxhybrid.bench.burst_bench",
          "sharding": "jaxhybrid.bench.sharding_bench",
          "async": "jaxhybrid.bench.async_bench"}

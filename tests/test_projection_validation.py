@@ -22,8 +22,8 @@ HELD_OUT = [(1, 2, 8), (1, 4, 4), (1, 8, 8), (1, 2, 2)]
 
 @pytest.fixture(scope="module")
 def setup():
-    model = pb.Model(256, 7)
-    cal = pb.Model(512, 7)
+    model = pb.Model(256, 7, profile_rounds=1)
+    cal = pb.Model(512, 7, profile_rounds=1)
     # Minimum of the runs: other processes on the host only ever add time.
     hw, info = pb.calibrate(model, cal, configs=[(1, 2, 8), (1, 8, 8), (2, 4, 4)], batch=BATCH,
                             runs=5, reduce="min", log=lambda *a: None)
@@ -121,3 +121,22 @@ def test_validation_configs_name_schedule_and_width():
     for bad in ("nope:1x2x2", "1x2", "1x2x2@w", "0x2x2"):
         with pytest.raises(ValueError, match="config"):
             pb.parse_val_configs([bad], "1f1b", 256)
+
+
+def test_tick_latency_is_waiting_not_shared_work():
+    """The engine's waiting per tick (`tick_latency`) lengthens every tick once, however
+    many replicas share the cores; its per-device work (`tick_overhead`) serialises."""
+    from jaxhybrid.schedules import make_schedule
+    costs = _synthetic_costs()
+    base = measured_device("t", mem_bandwidth=10e9, compute_slots=2.0)
+    kw = dict(pipe=4, num_microbatches=4, per_worker_batch=16, include_update=False)
+    ticks = make_schedule("1f1b", 4, 4).num_ticks
+    for data in (1, 4):
+        plain = hybrid.step_time(costs, base, data=data, **kw)
+        waits = hybrid.step_time(costs, base.replace(tick_latency=30e-6), data=data, **kw)
+        work = hybrid.step_time(costs, base.replace(tick_overhead=30e-6), data=data, **kw)
+        assert waits.engine_time - plain.engine_time == pytest.approx(ticks * 30e-6)
+        assert work.engine_time >= (ticks * 30e-6 * (2 * data if data > 1 else 1)) * (1 - 1e-9)
+    one = hybrid.step_time(costs, base.replace(tick_latency=30e-6), data=1, pipe=1,
+                           num_microbatches=4, per_worker_batch=16, include_update=False)
+    assert one.engine_time == 0.0   # no pipeline, no ticks

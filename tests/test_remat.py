@@ -1,11 +1,12 @@
-"""Cost-balanced recomputation: fits when possible, minimal slowdown (brute force),
-nothing when loose, full when needed, clear error when impossible."""
+"""Cost-balanced recomputation under the engine's (SPMD) memory model: fits when
+possible, minimal slowdown (brute force), nothing when loose, full when needed, clear
+error when impossible."""
 import itertools
 
 import numpy as np
 import pytest
 
-from jaxhybrid.plan import LayerCost, MemoryBudgetError, choose_remat, stage_memory
+from jaxhybrid.plan import LayerCost, MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.remat import recompute_time
 from jaxhybrid.schedules import make_schedule
 
@@ -30,70 +31,87 @@ def bottleneck(costs, cuts, remat):
 
 
 def test_memory_model_by_hand():
-    costs = [layer(0, saved=1000, inp=100, params=40), layer(1, saved=3000, inp=200, params=8, out=50)]
-    costs[0].state_bytes = 16
-    # 4 x 48 params + 16 state + 3 in flight x 4000 saved + 2 x (100 in + 50 out)
-    assert stage_memory(costs, [], [3])[0] == 4 * 48 + 16 + 3 * 4000 + 2 * 150
-    # Recomputing layer 1 keeps its input (200) and re-materialises 2800 transiently.
-    assert stage_memory(costs, [], [3], [False, True])[0] == 4 * 48 + 16 + 3 * 1200 + 2800 + 2 * 150
-    assert list(stage_memory(costs, [1], [3, 1])) == [
-        4 * 40 + 16 + 3 * 1000 + 2 * (100 + 100), 4 * 8 + 3000 + 2 * (200 + 50)]
+    import dataclasses
+
+    from jaxhybrid.plan.remat import memory_terms
+    costs = [dataclasses.replace(layer(0, saved=1000, inp=100, params=40), bwd_temp_bytes=30,
+                                 state_bytes=16),
+             dataclasses.replace(layer(1, saved=3000, inp=200, params=8, out=50), bwd_temp_bytes=70,
+                                 saved_by_dtype={"float32": 2000, "bool": 1000})]
+    sched = make_schedule("1f1b", 2, 4)
+    rings = sched.ring_slots()[1]
+    # params + Adam moments + accumulator and microbatch gradient, state, inboxes (stage
+    # 0's 100-byte output in each activation/gradient slot), 4 microbatches of input.
+    fixed = 40 + 2 * 40 + 2 * 40 + 16 + (rings["act"] + 1 + rings["grad"] + 1) * 100 + 4 * 100
+    # Stash row: per dtype the largest stage's residuals; the last stage also keeps the
+    # loss's (its 50-byte output): float32 max(1000, 2000 + 50) + bool 1000.
+    row = 2050 + 1000
+    # Backward work: largest layer's in + out cotangents + the stage's backward temporaries.
+    work = [100 + 100 + 30, 200 + 50 + 70]
+    per_stage, device = spmd_memory(costs, [1], sched)
+    rows = rings["stash"] + 1
+    assert device == fixed + rows * row + max(work)
+    assert list(per_stage) == [fixed + rows * 1000 + work[0], fixed + rows * 3050 + work[1]]
+    terms = memory_terms(costs, [1], sched)
+    assert terms["stash"] == rings["stash"] * row and terms["working"] == row + max(work)
+    assert sum(terms.values()) == device
+    # Recomputing layer 1 keeps its 200-byte input and re-materialises 2800 transiently.
+    _, dev_r = spmd_memory(costs, [1], sched, [False, True])
+    assert dev_r == fixed + rows * max(1000, 200 + 50) + 2800 + work[1]
+
+
+def device_memory(costs, cuts, sched, remat=None):
+    return spmd_memory(costs, cuts, sched, remat)[1]
 
 
 def test_loose_budget_recomputes_nothing():
     costs = [layer(i) for i in range(6)]
-    assert choose_remat(costs, [3], [5, 3], "1GB") == [False] * 6
+    assert choose_remat_spmd(costs, [3], make_schedule("1f1b", 2, 4), "1GB") == [False] * 6
 
 
 def test_full_recompute_when_needed():
     costs = [layer(i, saved=1000 + i, inp=100) for i in range(6)]
-    cuts, fl = [3], [4, 2]
-    full = stage_memory(costs, cuts, fl, [True] * 6)
-    assert choose_remat(costs, cuts, fl, float(full.max())) == [True] * 6
-    assert (stage_memory(costs, cuts, fl, [True] * 6) <= full.max()).all()
+    sched = make_schedule("1f1b", 2, 4)
+    full = device_memory(costs, [3], sched, [True] * 6)
+    assert full < device_memory(costs, [3], sched)
+    assert choose_remat_spmd(costs, [3], sched, full) == [True] * 6
 
 
-def test_impossible_budget_names_stage_and_overage():
+def test_impossible_budget_says_by_how_much():
     costs = [layer(i, saved=1000, inp=100) for i in range(4)]
-    need = stage_memory(costs, [2], [3, 1], [True] * 4)
-    budget = float(need.max()) - 123
-    with pytest.raises(MemoryBudgetError, match=r"stage 0 .*\(123 bytes\) over .* more pipeline stages, "
+    sched = make_schedule("1f1b", 2, 4)
+    budget = device_memory(costs, [2], sched, [True] * 4) - 123
+    with pytest.raises(MemoryBudgetError, match=r"\(123 bytes\) over .* more pipeline stages, "
                                                  r"more microbatches with a smaller microbatch, or a bigger budget"):
-        choose_remat(costs, [2], [3, 1], budget)
+        choose_remat_spmd(costs, [2], sched, budget)
     assert issubclass(MemoryBudgetError, ValueError)
 
 
 def test_prefers_cheap_big_savers():
     # Same memory saving, different forward cost: recompute the cheap one.
     costs = [layer(0, fwd=5.0, saved=2000), layer(1, fwd=0.1, saved=2000), layer(2, fwd=1.0, saved=300)]
-    none = stage_memory(costs, [], [4])[0]
-    remat = choose_remat(costs, [], [4], none - 1000)
-    assert remat == [False, True, False]
-
-
-def brute_force(costs, cuts, fl, budget):
-    best = np.inf
-    for bits in itertools.product([False, True], repeat=len(costs)):
-        if (stage_memory(costs, cuts, fl, list(bits)) <= budget).all():
-            best = min(best, bottleneck(costs, cuts, list(bits)))
-    return best
+    sched = make_schedule("1f1b", 1, 4)
+    none = device_memory(costs, [], sched)
+    assert choose_remat_spmd(costs, [], sched, none - 1000) == [False, True, False]
 
 
 @pytest.mark.parametrize("exact_limit", [16, 0])
 def test_against_brute_force(exact_limit):
     rng = np.random.default_rng(3 + exact_limit)
-    for _ in range(60):
+    for _ in range(40):
         L = int(rng.integers(1, 8))
         S = int(rng.integers(1, min(L, 3) + 1))
         costs = random_costs(rng, L)
         cuts = sorted(int(c) for c in rng.choice(np.arange(1, L), S - 1, replace=False)) if S > 1 else []
-        fl = make_schedule("1f1b", S, 4).in_flight()
-        lo = stage_memory(costs, cuts, fl, [c.saved_bytes > c.saved_bytes_remat for c in costs]).max()
-        hi = stage_memory(costs, cuts, fl).max()
+        sched = make_schedule("1f1b", S, 4)
+        lo = device_memory(costs, cuts, sched, [c.saved_bytes > c.saved_bytes_remat for c in costs])
+        hi = device_memory(costs, cuts, sched)
         budget = float(rng.uniform(lo, max(hi, lo)))
-        remat = choose_remat(costs, cuts, fl, budget, exact_limit=exact_limit)
-        assert (stage_memory(costs, cuts, fl, remat) <= budget).all()
-        best = brute_force(costs, cuts, fl, budget)
+        remat = choose_remat_spmd(costs, cuts, sched, budget, exact_limit=exact_limit)
+        assert device_memory(costs, cuts, sched, remat) <= budget * (1 + 1e-12)
+        best = min(bottleneck(costs, cuts, list(bits))
+                   for bits in itertools.product([False, True], repeat=L)
+                   if device_memory(costs, cuts, sched, list(bits)) <= budget)
         if exact_limit:   # exact per-stage search: the slowest stage is as fast as possible
             assert bottleneck(costs, cuts, remat) == pytest.approx(best)
         else:             # Pipe-Torch's ratio rule: fits, never better than the optimum
@@ -102,9 +120,11 @@ def test_against_brute_force(exact_limit):
 
 def test_input_errors():
     costs = [layer(i) for i in range(3)]
-    with pytest.raises(ValueError, match="in_flight needs 2"):
-        choose_remat(costs, [1], [1, 2, 3], 1e9)
+    with pytest.raises(ValueError, match="schedule has 3 stages, boundaries give 2"):
+        choose_remat_spmd(costs, [1], make_schedule("1f1b", 3, 4), 1e9)
     with pytest.raises(ValueError, match="strictly increasing"):
-        choose_remat(costs, [2, 1], [1, 1, 1], 1e9)
+        choose_remat_spmd(costs, [2, 1], make_schedule("1f1b", 3, 4), 1e9)
     with pytest.raises(ValueError, match="size"):
-        choose_remat(costs, [1], [1, 1], "lots")
+        choose_remat_spmd(costs, [1], make_schedule("1f1b", 2, 4), "lots")
+    with pytest.raises(ValueError, match="one bool per layer"):
+        spmd_memory(costs, [1], make_schedule("1f1b", 2, 4), [True])

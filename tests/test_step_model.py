@@ -31,9 +31,15 @@ def test_ticks_engine_transfer_and_slots():
 def test_plan_predicts_its_step_with_the_same_model():
     costs = [LayerCost(f"l{i}", 4, 1e6, 2e6, 1e5, 2e5, 400, 100, 64, 64, 64, 64,
                        1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3)) for i in range(8)]
-    p = make_plan(costs, num_stages=4, num_microbatches=8)
-    f, b = (np.array(p.stage_fwd_time) + np.array(p.stage_transfer_time) / 2,
-            np.array(p.stage_bwd_time) + np.array(p.stage_transfer_time) / 2)
-    expect = lockstep_time(make_schedule("1f1b", 4, 8), f, b,
+    p = make_plan(costs, num_stages=4, num_microbatches=8, topology="uniform:4:1MB/s")
+    sched = make_schedule("1f1b", 4, 8)
+    # The engine's transfers: per tick an activation and a gradient of the largest
+    # boundary (64 bytes) over the (uniform) link.
+    topo = __import__("jaxhybrid").plan.Topology.from_spec("uniform:4:1MB/s")
+    assert p.transfer_per_tick == pytest.approx(2 * topo.transfer_time(0, 1, 64))
+    expect = lockstep_time(sched, np.array(p.stage_fwd_time), np.array(p.stage_bwd_time),
+                           transfer_per_tick=p.transfer_per_tick,
                            allreduce=max(p.stage_allreduce_time)).total
     assert p.predicted_step_time == pytest.approx(expect)
+    assert p.predicted_step_time > make_plan(costs, num_stages=4, num_microbatches=8,
+                                             boundaries=p.boundaries).predicted_step_time

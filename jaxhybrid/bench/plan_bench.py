@@ -15,7 +15,8 @@ Prints (never asserts):
              with the planner's device mapping, of the topology-aware split in order, and
              of the full planner; a note per layout says why the mapping does or does not
              matter there.
-  remat      a budget of half the predicted no-recompute device memory (microbatch
+  remat      a budget halfway between the predicted device memory with every layer
+             recomputed and with none (microbatch
              --remat_microbatch): peak memory and recomputed FLOPs for remat none / full /
              auto, predicted by the planner (SPMD model) and measured on compiled programs
              (`memory_analysis()` of the real pipeline step; `cost_analysis()` of each
@@ -147,8 +148,9 @@ MAPPING_NOTES = {
             "crosses nodes; the mapping keeps each replica inside one node.",
     (4, 2): "either the pipeline cut or the stage all-reduces must cross nodes; the mapping "
             "picks the cheaper one for the split it is given. The planner's own split is best "
-            "per microbatch (its objective amortises the all-reduce over M); the predicted step, "
-            "which pays the all-reduce once after the drain, prefers the mapped one.",
+            "per microbatch (its objective amortises the all-reduce over M); in the predicted "
+            "step the mapped layout's cut pays the slow link in every tick, in order only its "
+            "all-reduce once after the drain.",
 }
 
 
@@ -270,15 +272,18 @@ def _backward_flops(spec, per_layer, x, y, cuts, flags, stage_level: bool) -> fl
 
 
 def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
-    """Planner prediction and compiled measurement of each remat mode at a budget of half
-    the predicted no-recompute device memory. Returns (rows, budget)."""
+    """Planner prediction and compiled measurement of each remat mode at a budget halfway
+    between the predicted device memory with every layer recomputed and with none.
+    Returns (rows, budget)."""
     import jax
     mb = costs[0].batch_size
     x, y = spec.sample_batch(M * mb)
     L, sched = len(costs), make_schedule("1f1b", S, M)
     cuts = planner.partition(planner.layer_times(costs), S)
     mem = lambda r: planner.spmd_memory(costs, cuts, sched, r, param_state_factor=PARAM_STATE)  # noqa: E731
-    budget = mem(None)[1] / 2
+    # Halfway between recomputing every layer and none: a budget the planner can meet
+    # only by recomputing some layers.
+    budget = (mem([True] * L)[1] + mem(None)[1]) / 2
     # Compiling needs shapes only: zeros in place of initialised values.
     from jaxhybrid.models.spec import abstract_variables
     per_layer = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
@@ -315,7 +320,7 @@ def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
 
 def print_remat(rows, budget: float, size: str, microbatch: int, S: int = 4) -> None:
     print(f"Inception-V3 ({size}), {S} stages x M={M}, microbatch {microbatch}, 1F1B, data=1; "
-          f"budget = half the predicted no-remat device memory = {fmt_bytes(budget)} (the step "
+          f"budget = halfway between the predicted full and no recompute = {fmt_bytes(budget)} (the step "
           f"has no optimizer: params, gradient accumulator, microbatch gradient, output "
           f"gradients, stash, inboxes, inputs)")
     print("predicted: the planner's SPMD memory model; compiled: memory_analysis() of the real "
@@ -375,7 +380,7 @@ def main(argv) -> None:
               f"analytic costs, microbatch {FLAGS.ref_microbatch}, M={M}) ==")
         print_mapping(mapping_rows(ref, FLAGS.topology))
     if "remat" in sections:
-        print("\n== recomputation at half the no-remat memory ==")
+        print("\n== recomputation under a budget between full and no recompute ==")
         costs = [c.scaled(FLAGS.remat_microbatch) for c in small]
         rows, budget = remat_rows(spec, costs, FLAGS.remat_modes)
         print_remat(rows, budget, FLAGS.size, FLAGS.remat_microbatch)

@@ -16,9 +16,11 @@ The "hardware" is this host: 8 simulated CPU devices that share its cores. The m
                   and now; those two calibration runs are not validation rows;
   mem_bandwidth   a streaming-add microbenchmark on one device;
   tick_overhead,  the engine's per-device per-tick costs (fixed, and per element of the
-  tick_param_bytes  packed parameter buffer), least-squares fitted to pipelined runs of a
-                  *calibration* model (the same MLP at twice the width: 4x the parameters,
-                  other layer times) at microbatch 1, where they dominate.
+  tick_param_bytes, packed parameter buffer) and its waiting per tick, least-squares
+  tick_latency    fitted to pipelined runs of *calibration* models (the same MLP at
+                  widths 512 and 128, not a validation width: 16x apart in parameters, so
+                  the per-parameter cost and the fixed ones separate) at microbatch 1,
+                  where they dominate.
 
 So every validation row (each pipelined config, and DP at data 2 and 4) is held out:
 no number was fitted on it. A validation config is `[schedule:]DATAxPIPExM[@width]`
@@ -31,7 +33,9 @@ there is none, fit always fits anew, stored requires one.
 
 Each row is a real `jaxhybrid.pipeline.Pipeline` step (`value_and_grad`, jitted, inputs
 sharded as in training), the median (--reduce=min: the minimum) wall time of `--runs`
-runs after a warm-up, with the planner's boundaries (the ones the model assumes).
+runs after a warm-up, with the planner's boundaries (the ones the model assumes). The
+runs go round robin over all rows (and over all calibration runs): a burst of load from
+other processes slows every row a little rather than one row a lot.
 Rows: data x pipe x M; predicted (compute, engine, all-reduce parts) and measured ms,
 relative error, and the same without the engine terms; then the mean absolute relative
 error and the rank correlation of predicted vs measured.
@@ -73,7 +77,9 @@ flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x
                   "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
-flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4", "calibration configs (microbatch 1).")
+flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4,1x4x4@128,2x2x8@128,1x8x8@128",
+                  "calibration configs (microbatch 1), data x pipe x M[@width] (default width "
+                  "--cal_width; two widths tell the per-parameter engine cost from the fixed).")
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
                     "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
@@ -95,6 +101,7 @@ class Model:
     width: int
     blocks: int
     reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
+    profile_rounds: int = 3   # profiles per microbatch size, per layer the least (`costs`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -108,11 +115,18 @@ class Model:
                 r.integers(0, 10, n).astype(np.int32))
 
     def costs(self, m: int, repeats: int = 7):
-        """Measured per-layer costs at microbatch m (profiled once per size)."""
+        """Measured per-layer costs at microbatch m (profiled once per size): each layer's
+        times the least of `profile_rounds` profiles (seconds apart; reduce="min") or their
+        median, so that a burst of load during one layer's timed runs does not make it
+        the slowest layer of the model."""
         if m not in self._costs:
-            self._costs[m] = profile(self.layers, self.batch(m)[0], measure=True,
-                                     repeats=repeats, variables=self.variables,
-                                     reduce=self.reduce)
+            runs = [profile(self.layers, self.batch(m)[0], measure=True, repeats=repeats,
+                            variables=self.variables, reduce=self.reduce)
+                    for _ in range(max(1, self.profile_rounds))]
+            pick = min if self.reduce == "min" else statistics.median
+            self._costs[m] = [dataclasses.replace(
+                layer, fwd_time=pick([r[i].fwd_time for r in runs]),
+                bwd_time=pick([r[i].bwd_time for r in runs])) for i, layer in enumerate(runs[0])]
         return self._costs[m]
 
 
@@ -143,11 +157,10 @@ def parse_val_configs(items, schedule: str | None, width: int) -> list[tuple]:
 
 
 # --- measuring --------------------------------------------------------------------------
-def measure_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boundaries,
-                 schedule: str = "1f1b", runs: int = 7, reduce: str = "median") -> float:
-    """Wall seconds of a real Pipeline value_and_grad step (after a warm-up): the median
-    of `runs` runs, or their minimum (reduce="min": steadier when other processes come
-    and go, since their interference only ever adds time)."""
+def prepare_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boundaries,
+                 schedule: str = "1f1b"):
+    """A real Pipeline value_and_grad step (jitted, inputs sharded as in training), compiled
+    and run once: a no-argument function that runs it and waits for the result."""
     mesh = jh.make_mesh(data=data, pipe=pipe, devices=jax.devices()[:data * pipe])
     p = jp.Pipeline(model.layers, mesh=mesh, num_microbatches=M, schedule=schedule,
                     boundaries=list(boundaries) if pipe > 1 else [], remat="none")
@@ -155,13 +168,30 @@ def measure_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boun
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     x, y = jax.device_put(model.batch(data * batch), sharding)
     step = p.value_and_grad(xent)
-    jax.block_until_ready(step(variables, x, y))
-    times = []
+    run = lambda: jax.block_until_ready(step(variables, x, y))  # noqa: E731
+    run()
+    return run
+
+
+def time_steps(runs_of, runs: int = 7, reduce: str = "median") -> list[float]:
+    """Wall seconds of each prepared step: `runs` rounds, each timing every step once in
+    turn (round robin), so a burst of load from other processes hits all of them alike
+    instead of one; per step the median of its runs, or (reduce="min") the minimum,
+    steadier on a shared host since interference only ever adds time."""
+    times = [[] for _ in runs_of]
     for _ in range(max(1, runs)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(variables, x, y))
-        times.append(time.perf_counter() - t0)
-    return float(min(times) if reduce == "min" else statistics.median(times))
+        for i, run in enumerate(runs_of):
+            t0 = time.perf_counter()
+            run()
+            times[i].append(time.perf_counter() - t0)
+    return [float(min(t) if reduce == "min" else statistics.median(t)) for t in times]
+
+
+def measure_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boundaries,
+                 schedule: str = "1f1b", runs: int = 7, reduce: str = "median") -> float:
+    """Wall seconds of one real Pipeline value_and_grad step (`prepare_step`, `time_steps`)."""
+    return time_steps([prepare_step(model, data=data, pipe=pipe, M=M, batch=batch,
+                                    boundaries=boundaries, schedule=schedule)], runs, reduce)[0]
 
 
 def stream_bandwidth(n: int = 1 << 20, loops: int = 20, runs: int = 5) -> float:
@@ -198,9 +228,20 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     from scipy.optimize import least_squares
     n = jax.device_count()
     bw = stream_bandwidth()
-    kw = dict(schedule=schedule, runs=runs, reduce=reduce)
-    t1 = measure_step(model, data=1, pipe=1, M=1, batch=batch, boundaries=[], **kw)
-    tn = measure_step(model, data=n, pipe=1, M=1, batch=batch, boundaries=[], **kw)
+    steps = [prepare_step(model, data=d, pipe=1, M=1, batch=batch, boundaries=[],
+                          schedule=schedule) for d in (1, n)]
+    # (data, pipe, M) of the calibration model, or (data, pipe, M, width): a model of
+    # that width, same depth.
+    configs = [tuple(c) if len(c) == 4 else (*c, cal.width) for c in configs]
+    cals = {cal.width: cal}
+    for data, pipe, M, width in configs:
+        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds))
+        b = hybrid.step_time(m.costs, measured_device("host_cpu", mem_bandwidth=bw),
+                             data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M,
+                             schedule=schedule).boundaries
+        steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=M, boundaries=b,
+                                  schedule=schedule))
+    t1, tn, *cal_times = time_steps(steps, runs, reduce)
     # n replicas' compute shares C slots: t(nx1) = n t(1x1) / C + the gradient all-reduce
     # (which 1x1 does not run), itself modelled with C; a few fixed-point rounds solve it.
     clip = lambda c: float(np.clip(c, 1.0, min(n, os.cpu_count() or n)))
@@ -217,28 +258,29 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
         f"t({n}x1)={tn * 1e3:.2f} ms (all-reduce {ar * 1e3:.2f} ms) -> compute_slots "
         f"C={slots:.2f} (host cores: {os.cpu_count()})")
     base = device(slots)
-    meas = []
-    for data, pipe, M in configs:
-        b = hybrid.step_time(cal.costs, base, data=data, pipe=pipe, num_microbatches=M,
-                             per_worker_batch=M, schedule=schedule).boundaries
-        meas.append(((data, pipe, M), measure_step(cal, data=data, pipe=pipe, M=M, batch=M,
-                                                   boundaries=b, **kw)))
+    meas = list(zip(configs, cal_times))
+
+    def engine(x):
+        return base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1],
+                            tick_latency=x[2] * 1e-6)
 
     def residuals(x):
-        hw = base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1])
-        return [predict(cal, hw, data=d, pipe=p, M=M, batch=M, schedule=schedule).step_time / t - 1
-                for (d, p, M), t in meas]
+        return [predict(cals[w], engine(x), data=d, pipe=p, M=M, batch=M,
+                        schedule=schedule).step_time / t - 1 for (d, p, M, w), t in meas]
 
-    fit = least_squares(residuals, [20.0, 16.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
-    hw = base.replace(tick_overhead=fit.x[0] * 1e-6, tick_param_bytes=fit.x[1])
+    fit = least_squares(residuals, [10.0, 8.0, 20.0], bounds=([0.0] * 3, [np.inf] * 3))
+    hw = engine(fit.x)
     info = dict(stream_bandwidth=bw, dp_1x1=t1, dp_nx1=tn, compute_slots=slots,
                 tick_overhead=hw.tick_overhead, tick_param_bytes=hw.tick_param_bytes,
-                rows=[dict(config="x".join(map(str, c)), measured=t) for c, t in meas],
+                tick_latency=hw.tick_latency,
+                rows=[dict(config="x".join(map(str, c[:3])) + f"@{c[3]}", measured=t)
+                      for c, t in meas],
                 residuals=[float(r) for r in residuals(fit.x)])
     log(f"calibration: engine tick_overhead={hw.tick_overhead * 1e6:.1f} us/device/tick, "
-        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick "
-        f"(fit to {', '.join(r['config'] for r in info['rows'])} of the width-{cal.width} "
-        f"model, microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
+        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick, "
+        f"tick_latency={hw.tick_latency * 1e6:.1f} us per tick "
+        f"(fit to {', '.join(r['config'] for r in info['rows'])} (config@width), "
+        f"microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
     return hw, info
 
 
@@ -246,26 +288,27 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
              runs: int = 7, reduce: str = "median") -> list[dict]:
     """Predicted vs measured step for each (data, pipe, M), or each (schedule, data, pipe,
     M, width) (`parse_val_configs`; other widths: a `Model` of that width, same depth)."""
-    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0)
+    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0, tick_latency=0.0)
     models = {model.width: model}
-    rows = []
+    rows, steps = [], []
     for config in configs:
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks, model.reduce))
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce, model.profile_rounds))
         est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
-        t = measure_step(m, data=data, pipe=pipe, M=M, batch=batch, boundaries=est.boundaries,
-                         schedule=sched, runs=runs, reduce=reduce)
+        steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=batch,
+                                  boundaries=est.boundaries, schedule=sched))
         name = (f"{sched}:" if sched != schedule else "") + f"{data}x{pipe}x{M}" + (
             f"@{width}" if width != model.width else "")
         rows.append(dict(config=name, schedule=sched, width=width, data=data, pipe=pipe, M=M,
                          boundaries=est.boundaries, bubble=est.bubble_fraction,
                          predicted=est.step_time, compute=est.compute_time,
                          engine=est.engine_time, allreduce=est.allreduce_time,
-                         compute_only=bare.step_time, measured=t,
-                         rel_error=est.step_time / t - 1.0))
+                         compute_only=bare.step_time))
+    for r, t in zip(rows, time_steps(steps, runs, reduce)):
+        r.update(measured=t, rel_error=r["predicted"] / t - 1.0)
     return rows
 
 
@@ -333,7 +376,8 @@ def main(argv) -> None:
               f"({calibration.path(cache_dir)}): " + ", ".join(
                   f"{k}={v:.4g}" for k, v in doc["terms"].items()))
     else:
-        hw, info = calibrate(model, cal, configs=parse_configs(FLAGS.cal_configs),
+        hw, info = calibrate(model, cal, configs=[c[1:] for c in parse_val_configs(
+                                 FLAGS.cal_configs, None, cal.width)],
                              batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
                              reduce=FLAGS.reduce)
         print(f"calibration stored in {calibration.save(hw, cache_dir, info)}")

@@ -170,6 +170,7 @@ class Pipeline:
 
     def _make_plan(self, fixed: bool):
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
+        from jaxhybrid.plan.calibration import stored_hardware
         costs = (_profile_cached(self.layers, self._sample) if self.splitter is None
                  else self.splitter.costs(self._sample))   # lowered pieces, no compiles
         return planner.make_plan(
@@ -177,7 +178,7 @@ class Pipeline:
             schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, model=self.model,
-            zero_shards=self.data if self.zero else 1)
+            zero_shards=self.data if self.zero else 1, hardware=stored_hardware())
 
     @property
     def plan(self):

@@ -15,8 +15,8 @@ from jaxhybrid.plan.costs import (LayerCost, cost_arrays, device_peak, layer_tim
 from jaxhybrid.plan.partitioning import (OBJECTIVES, StageCosts, device_grid, map_devices,
                                       partition, stage_costs)
 from jaxhybrid.plan.plan import Plan, make_plan, plan_from_config
-from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat, choose_remat_spmd,
-                                  recompute_time, spmd_memory, stage_memory)
+from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat_spmd, recompute_time,
+                                  spmd_memory)
 from jaxhybrid.plan.topology import (Topology, fmt_bytes, parse_bandwidth, parse_bytes,
                                      parse_time)
 from jaxhybrid.plan.burst import BurstPlan, plan_burst
@@ -24,7 +24,7 @@ from jaxhybrid.plan.burst import BurstPlan, plan_burst
 __all__ = [
     "LayerCost", "profile", "cost_arrays", "layer_times", "device_peak", "roofline_time",
     "partition", "map_devices", "stage_costs", "StageCosts", "even_boundaries", "stage_ranges", "device_grid",
-    "OBJECTIVES", "choose_remat", "stage_memory", "recompute_time", "MemoryBudgetError",
+    "OBJECTIVES", "recompute_time", "MemoryBudgetError",
     "choose_remat_spmd", "spmd_memory",
     "Plan", "make_plan", "plan_from_config", "Topology", "parse_bandwidth", "parse_bytes",
     "parse_time", "fmt_bytes",

@@ -2,10 +2,12 @@
 
 The step-time model (`jaxhybrid.plan.step_model`) needs a few terms that no datasheet
 gives: how many simulated devices compute at once (`compute_slots`), the engine's own
-cost per device per tick (`tick_overhead`, `tick_param_bytes`) and the streaming memory
+cost per device per tick (`tick_overhead`, `tick_param_bytes`), its waiting per tick
+(`tick_latency`) and the streaming memory
 bandwidth. `jaxhybrid.bench.projection_bench.calibrate` fits them on this host; `save`
 keeps them in `<cache dir>/calibration/<device key>.json` and `load` gives them back as
-a `Hardware`, so the projection, the planner and later benchmark runs use one fit.
+a `Hardware`, so the projection, the planner (`stored_hardware`: `make_plan(hardware=)`
+from `plan_from_config` and `Pipeline`) and later benchmark runs use one fit.
 
 The device key names what the terms depend on: platform, device kind, device count and,
 for CPU devices (simulated devices share the host's cores), the number of cores.
@@ -22,8 +24,8 @@ from jaxhybrid.plan.hardware import Hardware, measured_device
 
 # The fitted terms (Hardware fields) a calibration stores.
 FIELDS = ("mem_bandwidth", "compute_slots", "tick_overhead", "tick_param_bytes",
-          "devices_per_node")
-FORMAT = 1
+          "tick_latency", "devices_per_node")
+FORMAT = 2
 
 
 def device_key(devices=None) -> str:
@@ -66,3 +68,14 @@ def load(cache_dir: str | os.PathLike, key: str | None = None) -> tuple[Hardware
         return None
     return measured_device(f"calibrated:{doc['device']}", description=doc.get("description", ""),
                            **doc["terms"]), doc
+
+
+def stored_hardware(cache_dir: str | os.PathLike | None = None):
+    """The stored calibration of this device kind as a `Hardware` (its engine terms price
+    `Plan.predicted_step_time` as the projection does), or None when there is none.
+    cache_dir: default `jaxhybrid.startup.default_cache_dir()`."""
+    if cache_dir is None:
+        from jaxhybrid.startup import default_cache_dir
+        cache_dir = default_cache_dir()
+    stored = load(cache_dir)
+    return None if stored is None else stored[0]

@@ -19,9 +19,15 @@ Memory kept for backward, per microbatch:
                      recomputed by an extra forward in the backward pass.
 Both equal the output bytes that XLA's `memory_analysis()` reports for a compiled function
 returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py checks it).
+  saved_by_dtype     saved_bytes by dtype name: the engine stashes residuals in one buffer
+                     per dtype, each padded to the stage with the most of that dtype;
+  bwd_temp_bytes     the temporaries of the layer's compiled backward (`memory_analysis()`
+                     temp bytes: intermediate cotangents, a scan's gradient accumulators),
+                     held by the backward slot beside the residuals it reads.
 
 Times: measured (median, or minimum, of `repeats` runs after a warm-up,
-`block_until_ready`) when `measure=True`; otherwise a roofline estimate on the local device,
+`block_until_ready`, less the same figure for a compiled no-op taking the same arguments:
+the per-call overhead a layer inside a stage does not pay) when `measure=True`; otherwise a roofline estimate on the local device,
     time = max(flops / peak_flops, bytes_accessed / memory_bandwidth),
 with the peak numbers of `device_peak()` (a table by device kind; override with
 `peak_flops=` / `memory_bandwidth=`). The estimate ignores launch overheads and fusion
@@ -99,6 +105,8 @@ class LayerCost:
     model_bwd_comm_bytes: int = 0     # ... and in the backward
     model_fwd_collectives: int = 0    # how many collectives over "model" forward
     model_bwd_collectives: int = 0    # ... and backward
+    bwd_temp_bytes: int = 0    # the compiled backward's temporaries (0: unknown)
+    saved_by_dtype: dict = dataclasses.field(default_factory=dict)   # {} : unknown
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -110,8 +118,10 @@ class LayerCost:
                                                   "bwd_bytes", "fwd_time", "bwd_time")}
         ints = {f: int(round(getattr(self, f) * r)) for f in (
             "in_bytes", "out_bytes", "saved_bytes", "saved_bytes_remat", "model_saved_bytes",
-            "model_fwd_comm_bytes", "model_bwd_comm_bytes")}
-        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints)
+            "model_fwd_comm_bytes", "model_bwd_comm_bytes", "bwd_temp_bytes")}
+        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints,
+                                   saved_by_dtype={k: int(round(v * r))
+                                                   for k, v in self.saved_by_dtype.items()})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,7 +131,8 @@ class LayerCost:
         return cls(**d)
 
 
-COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost) if f.name != "name")
+COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
+                    if f.name not in ("name", "saved_by_dtype"))
 
 
 def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:
@@ -177,7 +188,26 @@ def _compile(lowered, run: bool):
         return lowered.compile()
 
 
+def _temp_bytes(compiled) -> int:
+    """XLA's temp bytes of a compiled function (0 where the backend does not say)."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:   # no memory analysis on this backend
+        return 0
+
+
 def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
+    """Seconds of `fn(*args)` beyond the cost of calling any compiled function with
+    these arguments (dispatch, argument handling, the wait for the result): inside a
+    stage the layer runs with no call of its own, so that per-call overhead, tens of
+    microseconds on a CPU host and most of a small layer's measured time, is not its."""
+    import jax
+    import jax.numpy as jnp
+    noop = jax.jit(lambda *a: jnp.zeros((), jnp.float32), keep_unused=True)
+    return max(_wall(fn, args, repeats, reduce) - _wall(noop, args, repeats, reduce), 0.0)
+
+
+def _wall(fn, args, repeats: int, reduce: str) -> float:
     import jax
     jax.block_until_ready(fn(*args))   # warm-up (and any lazy allocation)
     runs = []
@@ -190,7 +220,7 @@ def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 3   # 3: the model-axis fields (jaxhybrid.plan.model_axis)
+COST_FORMAT = 4   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -372,14 +402,19 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     yf, vjp_fn = (jax.jit(forward_vjp) if measure else functools.partial(jax.eval_shape, forward_vjp))(
         params, xf, state, x_leaves)
     bwd_flops = bwd_bytes = bwd_time = 0.0
+    bwd_temp = 0
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
         bwd_c = _compile(jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct), measure)
         bwd_flops, bwd_bytes = _xla_cost(bwd_c)
+        bwd_temp = _temp_bytes(bwd_c)
         if measure:
-            bwd_time = _timed(bwd_c, (vjp_fn, ct), *timing)
+            # Never below the roofline: the no-op's overhead, subtracted, can exceed a
+            # small layer's noisy measurement.
+            bwd_time = max(_timed(bwd_c, (vjp_fn, ct), *timing),
+                           roofline_time(bwd_flops, bwd_bytes, *peaks))
     if measure:
-        fwd_time = _timed(fwd_c, (lvars, x), *timing)
+        fwd_time = max(_timed(fwd_c, (lvars, x), *timing), roofline_time(fwd_flops, fwd_bytes, *peaks))
     else:
         fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
         bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
@@ -387,7 +422,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                 bwd_bytes=bwd_bytes, param_bytes=_nbytes(params), param_count=_count(params),
                 in_bytes=_nbytes(x), out_bytes=_nbytes(y), saved_bytes=int(saved.get("bytes", 0)),
                 saved_bytes_remat=_nbytes(x), fwd_time=fwd_time, bwd_time=bwd_time,
-                state_bytes=_nbytes(state),
+                state_bytes=_nbytes(state), bwd_temp_bytes=bwd_temp,
+                saved_by_dtype=dict(saved.get("by_dtype", {})),
                 **model_terms(layer, x, drop, diff_inputs, train=train,
                               saved_bytes=int(saved.get("bytes", 0)))), y
 
@@ -420,8 +456,12 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
         # Traced, so parameter/state leaves are tracers and can be told apart from
         # true residuals by identity.
         known = jax.tree.leaves((p, st))
-        saved["bytes"] = sum(_nbytes(l) for l in jax.tree.leaves(vjp_fn)
-                             if not any(l is q for q in known))
+        kept = [l for l in jax.tree.leaves(vjp_fn) if not any(l is q for q in known)]
+        saved["bytes"] = sum(_nbytes(l) for l in kept)
+        by_dtype = saved.setdefault("by_dtype", {})
+        for l in kept:
+            d = np.dtype(l.dtype).name
+            by_dtype[d] = by_dtype.get(d, 0) + _nbytes(l)
         return yf, vjp_fn
 
     return forward_vjp, [x_leaves[k] for k in fidx], x_leaves, saved

@@ -27,7 +27,9 @@ Engine overheads (`jaxhybrid.plan.hybrid` adds them to pipelined configs, pipe >
 dispatch, the `ppermute` rendezvous) and `tick_param_bytes` bytes moved per element of
 the device's packed parameter buffer per tick (jaxhybrid's runtime adds the whole
 gradient buffer into its accumulator every tick, also in idle slots, and copies stage
-weights out of the packed buffer) at `mem_bandwidth`. Both are 0 for the GPU presets,
+weights out of the packed buffer) at `mem_bandwidth`; `tick_latency` seconds per tick
+that are waiting, not work (the tick's collectives' rendezvous of all devices, the loop
+step): they add to the tick's length once, not to every device's share of the cores. Both are 0 for the GPU presets,
 which model an engine whose per-tick costs vanish next to the layers' (see
 docs/projection.md); `measured_device` sets them from calibration runs (the validation
 bench on the simulated CPU devices, `jaxhybrid.bench.projection_bench`).
@@ -80,6 +82,7 @@ class Hardware:
     compute_slots: float = math.inf  # devices that can compute at the same time (see hybrid)
     tick_overhead: float = 0.0       # fixed work per device per lock-step tick (pipe > 1)
     tick_param_bytes: float = 0.0    # bytes per packed parameter element per device per tick
+    tick_latency: float = 0.0        # per tick on the critical path, not work (pipe > 1)
     step_overhead: float = 0.0       # fixed cost per training step
     description: str = ""
 
@@ -94,7 +97,8 @@ class Hardware:
         for f in ("peak_flops", "mem_bandwidth"):
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be > 0.")
-        for f in ("tick_overhead", "tick_param_bytes", "step_overhead", "layer_overhead"):
+        for f in ("tick_overhead", "tick_param_bytes", "tick_latency", "step_overhead",
+                  "layer_overhead"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be >= 0.")
         if self.tick_param_bytes and self.mem_bandwidth is None:

@@ -61,7 +61,7 @@ from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memo
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
-from jaxhybrid.plan.step_model import lockstep_time
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 
@@ -283,6 +283,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
         saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
         out_bytes=c.out_bytes * bs, model_saved_bytes=c.model_saved_bytes * bs,
+        bwd_temp_bytes=c.bwd_temp_bytes * bs,
         model_param_bytes=(c.model_param_bytes / c.param_bytes * c.param_count * hw.grad_bytes
                            if c.param_bytes else 0)) for c in per_layer]
     factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
@@ -306,17 +307,17 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
 
     # The lock-step pipeline.
-    per_tick_comm = engine = 0.0
+    per_tick_comm = engine = latency = 0.0
     if pipe > 1:
         nb = out_bytes[np.array(cuts) - 1].max()   # padded to the largest boundary
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
-        per_tick_comm = 2 * max([topo.transfer_time(a, b, nb) for a, b in links], default=0.0)
+        per_tick_comm = tick_transfer(topo, links, nb)
         device_params = np.bincount(dev, weights=params, minlength=pipe)
-        engine = hw.tick_overhead + (device_params.max() * hw.tick_param_bytes / hw.mem_bandwidth
-                                     if hw.tick_param_bytes else 0.0)
+        engine, latency = engine_tick_cost(hw, device_params.max()), hw.tick_latency
     st = lockstep_time(sched, F, B, data=data * model, compute_slots=hw.compute_slots,
-                       tick_overhead=engine, transfer_per_tick=per_tick_comm)
+                       tick_overhead=engine, transfer_per_tick=per_tick_comm,
+                       tick_latency=latency)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline
     est.bubble_fraction = sched.bubble_fraction(F, B)

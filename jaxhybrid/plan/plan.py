@@ -1,15 +1,18 @@
 """The Plan object (what the pipeline runs) and `make_plan` (costs -> plan).
 
 Times in a Plan are seconds per microbatch, except `stage_allreduce_time` (per step).
-Predicted step time = sum of the schedule's lock-step tick times, where stage s's
-forward slot costs fwd_s + transfer_s / 2 and its backward slot bwd_s + transfer_s / 2
-(activation out, gradient back), plus the slowest stage's gradient all-reduce after the
-last backward (stages all-reduce concurrently over disjoint replica groups).
+Predicted step time = the schedule's lock-step ticks (`plan.step_model`, the engine's
+model that the projection uses too): per tick the slowest slot, the boundary transfers
+(every device sends an activation and a gradient padded to the largest boundary, the
+slowest link setting the pace) and the engine's per-tick costs, plus the slowest stage's
+gradient all-reduce after the last backward (stages all-reduce concurrently over
+disjoint replica groups). `stage_transfer_time` is what the partition balances.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Sequence
 
 import numpy as np
@@ -18,9 +21,8 @@ from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
-from jaxhybrid.plan.remat import (choose_remat, choose_remat_spmd, recompute_time, spmd_memory,
-                                  stage_memory)
-from jaxhybrid.plan.step_model import lockstep_time
+from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
+from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -38,7 +40,7 @@ class Plan:
     stage_compute_time: list[float]      # fwd + bwd (+ recompute) per microbatch
     stage_transfer_time: list[float]     # outgoing activation + its gradient, per microbatch
     stage_allreduce_time: list[float]    # gradient all-reduce over `data`, per step
-    stage_memory: list[float]            # bytes per device (remat.stage_memory / spmd_memory)
+    stage_memory: list[float]            # bytes per device if every stage were this one
     layer_names: list[str]
     memory_budget: float | None = None
     objective: str = "bottleneck"
@@ -46,10 +48,16 @@ class Plan:
     stage_bwd_time: list[float] | None = None   # counts in the backward)
     microbatch_size: int | None = None
     topology: str | None = None
-    memory_model: str = "per_stage"             # "spmd": buffers padded to the largest stage
-    device_memory: float | None = None          # spmd: bytes every device allocates
+    device_memory: float | None = None          # bytes every device allocates (`spmd_memory`)
     virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
     schedule_options: dict | None = None        # the schedule builder's options
+    # The engine's costs on the hardware planned for (`make_plan(hardware=...)`, e.g. the
+    # stored calibration of this device kind): seconds per device per tick, and how many
+    # devices compute at once (None: all).
+    tick_overhead: float = 0.0
+    compute_slots: float | None = None
+    tick_latency: float = 0.0                   # seconds per tick, waiting (not work)
+    transfer_per_tick: float = 0.0              # the tick's boundary transfers (topology)
 
     def __post_init__(self):
         S = self.num_stages
@@ -80,8 +88,7 @@ class Plan:
         return float(self.stage_time.max())
 
     def _tick_costs(self):
-        half = np.array(self.stage_transfer_time) / 2
-        return np.array(self.stage_fwd_time) + half, np.array(self.stage_bwd_time) + half
+        return np.array(self.stage_fwd_time), np.array(self.stage_bwd_time)
 
     def schedule_table(self):
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
@@ -90,10 +97,14 @@ class Plan:
     @property
     def predicted_step_time(self) -> float:
         """The schedule's lock-step ticks (`plan.step_model`, the model the projection
-        uses too) with each boundary transfer split over the forward and backward task
-        that cross it, plus the slowest stage's all-reduce."""
+        uses too) with the tick's boundary transfers, the engine's per-tick costs and
+        shared compute slots of the hardware planned for, plus the slowest stage's
+        all-reduce."""
         f, b = self._tick_costs()
-        return lockstep_time(self.schedule_table(), f, b,
+        return lockstep_time(self.schedule_table(), f, b, data=self.data,
+                             compute_slots=self.compute_slots or math.inf,
+                             tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
+                             transfer_per_tick=self.transfer_per_tick,
                              allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
     @property
@@ -111,9 +122,9 @@ class Plan:
                  + (f" of {self.microbatch_size}" if self.microbatch_size else "")
                  + f", objective {self.objective}",
                  f"  topology: {self.topology or 'none (no link costs)'}; memory budget: "
-                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}; memory "
-                 f"model {self.memory_model}" + (f", device memory {fmt_bytes(self.device_memory)}"
-                                                 if self.device_memory is not None else "")]
+                 f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}"
+                 + (f"; device memory {fmt_bytes(self.device_memory)}"
+                    if self.device_memory is not None else "")]
         head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
         lines += [head, "-" * len(head)]
@@ -140,6 +151,7 @@ class Plan:
     @classmethod
     def from_json(cls, s: str) -> "Plan":
         d = json.loads(s)
+        d.pop("memory_model", None)   # older plans named their memory model (now one model)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -199,23 +211,20 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               memory_budget: float | str | None = None, objective: str = "bottleneck",
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
-              boundaries: Sequence[int] | None = None, memory_model: str = "spmd",
-              virtual_stages: int = 1, model: int = 1, zero_shards: int = 1) -> Plan:
+              boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
+              hardware=None, model: int = 1, zero_shards: int = 1) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
     re-partitioning until the mapping stops changing), recompute choice when
-    `memory_budget` is set, and the resulting predicted times and memory.
-    memory_model: "spmd" (jaxhybrid's runtime: every device sizes its buffers for the
-    largest stage; the budget bounds `device_memory`) or "per_stage" (each stage its own
-    program, Pipe-Torch's model); see `jaxhybrid.plan.remat`.
+    `memory_budget` is set, and the resulting predicted times and memory. Memory is the
+    engine's (`remat.spmd_memory`: every device sizes its buffers for the largest stage;
+    the budget bounds `device_memory`). `hardware` (a `Hardware`, e.g.
+    `calibration.stored_hardware()`): its engine terms (per-tick cost, compute slots)
+    price the predicted step as the projection does; None: layer work and transfers only.
     model: tensor-parallel degree (times and memory of one device's share of each layer,
     `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
-    (ZeRO; 1 without). Both only with the "spmd" memory model."""
-    if memory_model != "spmd" and (model, zero_shards) != (1, 1):
-        raise ValueError("make_plan: model= and zero_shards= need memory_model='spmd'.")
-    if memory_model not in ("spmd", "per_stage"):
-        raise ValueError(f"make_plan: memory_model={memory_model!r}; choose 'spmd' or 'per_stage'.")
+    (ZeRO; 1 without)."""
     costs = list(costs)
     if not costs or not all(isinstance(c, LayerCost) for c in costs):
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
@@ -268,22 +277,27 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         order = new
     _, cuts, order, sc = best
 
-    remat, device_mem = [False] * L, None
-    if budget is not None and memory_model == "spmd":
+    remat = [False] * L
+    if budget is not None:
         remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor,
                                   **shard)
-    elif budget is not None:
-        remat = choose_remat(costs, cuts, sched.stage_in_flight(), budget,
-                             param_state_factor=param_state_factor)
     fwd = stage_sums([c.fwd_time for c in times], cuts)
     bwd = stage_sums([c.bwd_time for c in times], cuts)
     bwd = bwd + recompute_time(times, cuts, remat)
-    if memory_model == "spmd":
-        mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
-                                      **shard)
-    else:
-        mem = stage_memory(costs, cuts, sched.stage_in_flight(), remat,
-                           param_state_factor=param_state_factor)
+    mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
+                                  **shard)
+    engine, latency, slots, per_tick = 0.0, 0.0, None, 0.0
+    if topology is not None and S > 1:   # (no virtual stages with a topology, above)
+        dev = list(range(S * data)) if order is None else order
+        links = {(dev[r * S + k], dev[r * S + k + 1]) for r in range(data) for k in range(S - 1)}
+        per_tick = tick_transfer(topology, links, max(times[b - 1].out_bytes for b in cuts))
+    if hardware is not None:
+        if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
+            stage_params = stage_sums([c.param_count for c in times], cuts)
+            engine = engine_tick_cost(hardware, np.bincount(sched.stage_device,
+                                                            weights=stage_params).max())
+            latency = hardware.tick_latency
+        slots = hardware.compute_slots if math.isfinite(hardware.compute_slots) else None
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -293,18 +307,22 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 memory_budget=budget, objective=objective, stage_fwd_time=fwd.tolist(),
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
-                memory_model=memory_model, device_memory=device_mem, virtual_stages=v,
-                schedule_options=dict(sched.options))
+                device_memory=device_mem, virtual_stages=v,
+                schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots,
+                tick_latency=latency, transfer_per_tick=per_tick)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
-                     stages: int | None = None, measure: bool = False, objective: str | None = None):
+                     stages: int | None = None, measure: bool = False, objective: str | None = None,
+                     hardware="stored"):
     """Profiles the config's model on one microbatch and plans it: the library side of
     scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe,model},
     config.train.zero,
     config.pipeline.{schedule,num_microbatches,remat,memory_budget,boundaries},
     config.train.batch_size. `memory_budget` (argument) overrides the config's, which is
-    used only with pipeline.remat="auto" (as `Pipeline` does). Returns (plan, costs)."""
+    used only with pipeline.remat="auto" (as `Pipeline` does). hardware: "stored" (this
+    device kind's stored calibration, `calibration.stored_hardware`, if any), a
+    `Hardware`, or None (no engine terms). Returns (plan, costs)."""
     from jaxhybrid.models import get_model   # plan/ may use models, never pipeline/
     from jaxhybrid.plan.costs import profile
 
@@ -339,10 +357,13 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     cuts = get("pipeline", "boundaries")
     schedule = get("pipeline", "schedule", "1f1b")
     v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
+    if isinstance(hardware, str):
+        from jaxhybrid.plan.calibration import stored_hardware
+        hardware = stored_hardware()
     model, zero = int(get("mesh", "model", 1)), int(get("train", "zero", 0))
     plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
-                     data=data, topology=topology, memory_budget=budget, model=model,
-                     zero_shards=data if zero else 1,
+                     hardware=hardware, data=data, topology=topology, memory_budget=budget,
+                     model=model, zero_shards=data if zero else 1,
                      objective=objective or get("pipeline", "objective", "bottleneck"),
                      boundaries=None if cuts is None else [int(b) for b in cuts])
     return plan, costs

@@ -1,0 +1,28 @@
+"""The planner's memory model against the compiled step: the bytes per device it
+predicts for a real model at S=4 are within 10% of XLA's `memory_analysis()` of the
+training step `scripts/train.py` runs (tiny BigLSTM: LSTM backward temporaries, the
+loss's residuals and per-dtype stash padding all count)."""
+import pytest
+
+from jaxhybrid.bench import memory_bench
+
+
+@pytest.fixture(scope="module")
+def biglstm():
+    return memory_bench.compare(memory_bench.model_config("biglstm", "tiny", 4), "train")
+
+
+def test_predicted_device_memory_within_10_percent_of_compiled(biglstm):
+    r = biglstm
+    assert r["pipe"] == 4 and r["compiled"] > 0
+    assert sum(r["terms"].values()) == pytest.approx(r["predicted"])
+    assert abs(r["error"]) <= 0.10, (r["predicted"], r["compiled"], r["terms"])
+
+
+def test_terms_match_the_runtime_buffers(biglstm):
+    # The parameter buffer is sized for the device with the most parameters; the stash
+    # row (residuals, padded per dtype) for the stage with the most residuals.
+    r = biglstm
+    assert r["terms"]["params"] == pytest.approx(r["param_buffer"], rel=0.02)
+    assert r["model_row"] == pytest.approx(r["residual_row"], rel=0.05)
+    assert r["terms"]["opt_state"] == pytest.approx(2 * r["terms"]["params"])
