@@ -67,6 +67,8 @@ flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 flags.DEFINE_string("hardware", "v100_dgx1", "preset of jaxhybrid.plan.hardware for the "
                     "GPU step-time prediction.")
 flags.DEFINE_string("json", "", "also write the rows to this file (one JSON object a line).")
+flags.DEFINE_string("from_json", "", "train nothing: print the table of the rows in this file "
+                    "(--json output; e.g. docs/async_study.jsonl), the GPU columns recomputed.")
 flags.DEFINE_string("cache_dir", None, "jax's persistent compilation cache (default: "
                     "scripts/train.py's, ~/.cache/jaxhybrid); empty: none.")
 flags.DEFINE_integer("seed", 0, "seed of initialisation, data order and dropout.")
@@ -85,7 +87,7 @@ class Task:
 TASKS = {
     "digits": Task("inception_hybrid.py", {"model.size": "tiny"}, 16 * 480, 0.05,
                    "eval_accuracy", "test accuracy"),
-    "text": Task("gpt_hybrid.py", {"model.size": "tiny", "data.options.max_bytes": 200_000}, 16 * 192, 0.1,
+    "text": Task("gpt_hybrid.py", {"model.size": "tiny", "data.options.max_bytes": 200_000}, 16 * 960, 0.1,
                  "eval_loss", "test loss"),
 }
 
@@ -147,25 +149,26 @@ def even_boundaries(config, S: int) -> tuple:
 def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
     """(per call, steady stream) seconds per example on --hardware from the planner's
     step-time model: `hybrid.step_time` of the call's table on the model's layer costs
-    at one microbatch, plus the optimizer update of every U task beyond the one a
-    synchronous step has. The stream: a microbatch per tick on the bottleneck stage
-    (its F + B + update per microbatch), no fill and no drain."""
+    at one microbatch (the same stage split), plus the optimizer update of every U task
+    beyond the one a synchronous step has. The stream (no fill, no drain, what carrying
+    in-flight microbatches across calls would reach): the time a call of 2M microbatches
+    adds over one of M, per example; for a synchronous schedule the call itself."""
     from jaxhybrid.plan import costs as plan_costs, hybrid
     from jaxhybrid.plan.hardware import get_hardware
     hw = get_hardware(FLAGS.hardware)
     spec = models.get_model(config.model.name, config.model.size, **config.model.overrides.to_dict())
     per_layer = plan_costs.profile(spec.layers, spec.sample_batch(FLAGS.microbatch)[0])
-    est = hybrid.step_time(per_layer, hw, data=1, pipe=S, num_microbatches=run.M,
-                           per_worker_batch=run.M * FLAGS.microbatch, schedule=run.schedule,
-                           optimizer_states=1, boundaries=list(bounds))
-    updates = run.M // run.per_update
-    call = est.step_time + (updates - 1) * est.update_time
-    examples = run.M * FLAGS.microbatch
-    if run.synchronous:   # a flush per update: the stream is the call
-        return call / examples, call / examples
-    tick = max(f + b for f, b in zip(est.stage_fwd, est.stage_bwd))
-    stream = tick + est.update_time / run.per_update + est.transfer_time / est.num_microbatches
-    return call / examples, stream / FLAGS.microbatch
+
+    def call_time(M: int) -> float:
+        est = hybrid.step_time(per_layer, hw, data=1, pipe=S, num_microbatches=M,
+                               per_worker_batch=M * FLAGS.microbatch, schedule=run.schedule,
+                               optimizer_states=1, boundaries=list(bounds))
+        return est.step_time + (M // run.per_update - 1) * est.update_time
+
+    call = call_time(run.M) / (run.M * FLAGS.microbatch)
+    if run.synchronous:
+        return call, call
+    return call, (call_time(2 * run.M) - call_time(run.M)) / (run.M * FLAGS.microbatch)
 
 
 def run_one(task: str, S: int, name: str, examples: int) -> dict:
@@ -209,30 +212,52 @@ def run_one(task: str, S: int, name: str, examples: int) -> dict:
                 cpu_per_example=cpu / max(timed, 1), compile_s=compile_s,
                 gpu_call=gpu_call, gpu_stream=gpu_stream,
                 staleness=[] if run.synchronous else asynchronous.staleness(sched).tolist(),
-                learning_rate=t.learning_rate, load=os.getloadavg()[0])
+                learning_rate=t.learning_rate, microbatch=FLAGS.microbatch,
+                async_microbatches=FLAGS.async_microbatches, load=os.getloadavg()[0])
 
 
-HEADER = (f"{'task':6} {'S':>2} {'schedule':12} {'updates':>7} {'upd.batch':>9} {'examples':>8} "
+HEADER = (f"{'task':6} {'S':>2} {'schedule':15} {'lr':>5} {'updates':>7} {'upd.batch':>9} {'examples':>8} "
           f"{'metric':>8} {'train loss':>10} {'temp/dev':>9} {'versions/dev':>12} "
           f"{'CPU-ms/ex':>9} {'vs 1f1b':>7} {'GPU us/ex call':>14} {'stream':>7}")
 
 
 def format_row(r: dict, rows: list) -> str:
     """One run's row; CPU-seconds also as a ratio to 1f1b's of the same task and S."""
-    base = {(q["task"], q["S"]): q["cpu_per_example"] for q in rows if q["schedule"] == "1f1b"}
-    ref = base.get((r["task"], r["S"]))
+    base = {(q["task"], q["S"], q["learning_rate"]): q["cpu_per_example"] for q in rows
+            if q["schedule"] == "1f1b"}
+    ref = base.get((r["task"], r["S"], r["learning_rate"]))
     ratio = f"{r['cpu_per_example'] / ref:7.2f}" if ref else f"{'-':>7}"
-    return (f"{r['task']:6} {r['S']:>2} {r['schedule']:12} {r['updates']:>7} "
+    return (f"{r['task']:6} {r['S']:>2} {r['schedule']:15} {r['learning_rate']:5.3g} {r['updates']:>7} "
             f"{r['update_batch']:>9} {r['examples']:>8} {r['metric']:8.4f} "
             f"{r['train_loss']:10.4f} {fmt_bytes(r['temp']):>9} {fmt_bytes(r['versions']):>12} "
             f"{1e3 * r['cpu_per_example']:9.3f} {ratio} {1e6 * r['gpu_call']:14.2f} "
             f"{1e6 * r['gpu_stream']:7.2f}")
 
 
+def print_saved(path: str) -> None:
+    """The table of saved rows (in file order), GPU columns from today's step-time model."""
+    rows = []
+    print(HEADER)
+    with open(path) as f:
+        for line in filter(str.strip, f):
+            r = json.loads(line)
+            FLAGS.microbatch = r.get("microbatch", 16)
+            FLAGS.async_microbatches = r.get("async_microbatches", 16)
+            run = resolve(r["schedule"], r["S"])
+            config, _ = run_config(r["task"], r["S"], run, r["examples"])
+            r["gpu_call"], r["gpu_stream"] = gpu_prediction(config, r["S"], run,
+                                                            even_boundaries(config, r["S"]))
+            rows.append(r)
+            print(format_row(r, rows) + f"   # load {r['load']:.1f}")
+
+
 def main(argv) -> None:
     del argv
     startup.enable_caches(startup.default_cache_dir() if FLAGS.cache_dir is None
                           else FLAGS.cache_dir)
+    if FLAGS.from_json:
+        print_saved(FLAGS.from_json)
+        return
     rows = []
     print(f"microbatch {FLAGS.microbatch} examples; asynchronous calls of "
           f"{FLAGS.async_microbatches} microbatches; momentum SGD ({FLAGS.momentum}); "
