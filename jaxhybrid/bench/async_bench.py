@@ -68,7 +68,8 @@ flags.DEFINE_string("hardware", "v100_dgx1", "preset of jaxhybrid.plan.hardware 
                     "GPU step-time prediction.")
 flags.DEFINE_string("json", "", "also write the rows to this file (one JSON object a line).")
 flags.DEFINE_string("from_json", "", "train nothing: print the table of the rows in this file "
-                    "(--json output; e.g. docs/async_study.jsonl), the GPU columns recomputed.")
+                    "(--json output; e.g. docs/async_study.jsonl), the GPU columns recomputed "
+                    "(and, with --json, written there).")
 flags.DEFINE_string("cache_dir", None, "jax's persistent compilation cache (default: "
                     "scripts/train.py's, ~/.cache/jaxhybrid); empty: none.")
 flags.DEFINE_integer("seed", 0, "seed of initialisation, data order and dropout.")
@@ -249,6 +250,9 @@ def print_saved(path: str) -> None:
                                                             even_boundaries(config, r["S"]))
             rows.append(r)
             print(format_row(r, rows) + f"   # load {r['load']:.1f}")
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def main(argv) -> None:
