@@ -213,7 +213,7 @@ def run_one(task: str, S: int, name: str, examples: int) -> dict:
                 cpu_per_example=cpu / max(timed, 1), compile_s=compile_s,
                 gpu_call=gpu_call, gpu_stream=gpu_stream,
                 staleness=[] if run.synchronous else asynchronous.staleness(sched).tolist(),
-                learning_rate=t.learning_rate, microbatch=FLAGS.microbatch,
+                learning_rate=t.learning_rate, seed=t.seed, microbatch=FLAGS.microbatch,
                 async_microbatches=FLAGS.async_microbatches, load=os.getloadavg()[0])
 
 
@@ -223,10 +223,11 @@ HEADER = (f"{'task':6} {'S':>2} {'schedule':15} {'lr':>5} {'updates':>7} {'upd.b
 
 
 def format_row(r: dict, rows: list) -> str:
-    """One run's row; CPU-seconds also as a ratio to 1f1b's of the same task and S."""
-    base = {(q["task"], q["S"], q["learning_rate"]): q["cpu_per_example"] for q in rows
-            if q["schedule"] == "1f1b"}
-    ref = base.get((r["task"], r["S"], r["learning_rate"]))
+    """One run's row; CPU-seconds also as a ratio to that of the 1f1b row of the same
+    task, S, learning rate, examples and seed."""
+    key = lambda q: (q["task"], q["S"], q["learning_rate"], q["examples"], q.get("seed", 0))  # noqa: E731
+    base = {key(q): q["cpu_per_example"] for q in rows if q["schedule"] == "1f1b"}
+    ref = base.get(key(r))
     ratio = f"{r['cpu_per_example'] / ref:7.2f}" if ref else f"{'-':>7}"
     return (f"{r['task']:6} {r['S']:>2} {r['schedule']:15} {r['learning_rate']:5.3g} {r['updates']:>7} "
             f"{r['update_batch']:>9} {r['examples']:>8} {r['metric']:8.4f} "
@@ -249,7 +250,7 @@ def print_saved(path: str) -> None:
             r["gpu_call"], r["gpu_stream"] = gpu_prediction(config, r["S"], run,
                                                             even_boundaries(config, r["S"]))
             rows.append(r)
-            print(format_row(r, rows) + f"   # load {r['load']:.1f}")
+            print(format_row(r, rows) + f"   # seed {r.get('seed', 0)}, load {r['load']:.1f}")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
