@@ -29,6 +29,11 @@ and the prediction distance s (`weight_columns`):
               microbatch sees D_k = 2(S-1-k) updates between its forward and its
               backward on stage k (`staleness`).
 
+`<name>-1t` (async, pipedream, spectrain, spectrain-v1; option tasks_per_tick=1) runs the
+same policies on a table with one task per device per tick (`one_task_per_tick`):
+PipeDream's timing, where stage k holds S-k microbatches and D_k = S-1-k, the paper's
+N-k-1, at the price of a larger lock-step bubble.
+
 Microbatches stream through one call without a flush; the pipeline fills and drains
 once per call (bubble (S-1)/(M+S-1) in ticks, as 1F1B's per step), so a call should
 hold many microbatches: each is a whole optimizer batch here. With Adam, u is Adam's
