@@ -57,18 +57,23 @@ def _predicted(w, u, s):
     return jax.tree.map(lambda a, b: a + np.float32(s) * b, w, u)
 
 
-def simulate(policy, params, tx, batches, M, window=1, data=1):
+def simulate(policy, params, tx, batches, M, window=1, data=1, tasks_per_tick=2):
     """One device, one stage after another, in the order of the schedule's tasks
-    (lock-step 1F1B: a tick runs forwards, then backwards, then updates). Returns the
-    per-call mean losses and the final per-stage weights."""
+    (lock-step 1F1B: a tick runs forwards, then backwards, then updates; with
+    tasks_per_tick=1 PipeDream's order, a device alternating forwards and backwards).
+    Returns the per-call mean losses and the final per-stage weights."""
     K = len(params)
     w = [jax.tree.map(np.asarray, p) for p in params]
     opt = [tx.init(p) for p in w]
     u = [jax.tree.map(np.zeros_like, p) for p in w]
-    D = 2 * (S - 1 - np.arange(K))                       # updates between F and B, stage k
+    # Updates of stage k between a microbatch's F and B: 2(S-1-k) in lock step with a
+    # forward and a backward per tick; the paper's N-k-1 with one task per tick.
+    D = (2 if tasks_per_tick == 2 else 1) * (S - 1 - np.arange(K))
     s_f = {"predict-v2": D, "predict-v1": np.arange(K) // 2 + D}.get(policy, 0 * D)
     s_b = np.arange(K) // 2 if policy == "predict-v1" else 0 * D
-    order = sorted(make_schedule("1f1b", S, M).tasks, key=lambda t: (t.tick, t.kind))
+    base = (make_schedule("1f1b", S, M) if tasks_per_tick == 2
+            else asynchronous.one_task_per_tick(S, M))
+    order = sorted(base.tasks, key=lambda t: (t.tick, t.kind))
     losses = []
     for x_all, t_all in batches:
         # Data replicas: replica r takes rows [r*M*mb, (r+1)*M*mb); its microbatch m is
@@ -129,7 +134,9 @@ def _engine(schedule, options, tx, batches, M, data=1, steps=None):
 
 CASES = [("async", {}, "newest", 1), ("pipedream", {}, "stash", 1),
          ("2bw", {"window": 8}, "two-buffer", 8), ("spectrain", {}, "predict-v2", 1),
-         ("spectrain", {"version": 1}, "predict-v1", 1)]
+         ("spectrain", {"version": 1}, "predict-v1", 1),
+         # PipeDream's timing (one task per device per tick): the paper's staleness
+         ("pipedream-1t", {}, "stash", 1), ("spectrain-v1-1t", {}, "predict-v1", 1)]
 
 
 @pytest.mark.parametrize("schedule,options,policy,window", CASES)
@@ -138,7 +145,8 @@ def test_engine_matches_simulation(schedule, options, policy, window):
     tx = optax.sgd(0.05, momentum=0.9)
     batches = _batches(2, M, 2)
     _, start, losses, final = _engine(schedule, options, tx, batches, M)
-    ref_losses, ref = simulate(policy, start, tx, batches, M, window)
+    ref_losses, ref = simulate(policy, start, tx, batches, M, window,
+                               tasks_per_tick=1 if schedule.endswith("-1t") else 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for got, want in zip(final, ref):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -181,6 +189,16 @@ def test_tables_bound_versions_and_staleness():
         make_schedule("2bw", 4, 12, window=8)
     with pytest.raises(ValueError, match="version"):
         make_schedule("spectrain", 4, 8, version=3)
+    # PipeDream's timing: the paper's N-k versions and N-k-1 stale updates on stage k.
+    for S_ in (4, 8):
+        pd = make_schedule("pipedream-1t", S_, 16)
+        assert list(pd.stage_in_flight()) == [S_ - k for k in range(S_)]
+        assert tables.control_table(pd).sizes["versions"] == S_
+        assert list(asynchronous.staleness(pd)) == [S_ - 1 - k for k in range(S_)]
+        assert list(asynchronous.prediction_distances(make_schedule("spectrain-1t", S_, 16))[0]) \
+            == [S_ - 1 - k for k in range(S_)]
+    with pytest.raises(ValueError, match="tasks_per_tick"):
+        make_schedule("pipedream", 4, 8, tasks_per_tick=3)
 
 
 def test_value_and_grad_of_an_async_schedule_is_the_synchronous_gradient():

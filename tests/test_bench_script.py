@@ -26,3 +26,26 @@ def test_pipeline_bench_prints_every_table():
             assert re.search(schedule + rf" M=8 tanh w=64 mb={mb}\s+[\d.]+ ms\s+[\d.]+ ms\s+"
                              r"[\d.]+x\s+[\d.]+ ms\s+[\d.]+x", out)
     assert re.search(r"1x1 pipeline vs plain jax.jit \(mlp\): CPU-seconds .* ratio [\d.]+x; wall", out)
+
+
+def test_async_bench_prints_the_study_table(tmp_path):
+    # The smallest study: GPT on text at S=2, the synchronous baseline and SpecTrain,
+    # a few microbatches of 4 (the figures themselves are docs/async.md's, not tested);
+    # then the same table again from the saved rows (--from_json).
+    bench = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "async",
+             f"--cache_dir={tmp_path / 'cache'}"]
+    saved = tmp_path / "rows.jsonl"
+    r = subprocess.run(bench + ["--tasks=text", "--stages=2", "--schedules=1f1b,spectrain-1t",
+                                "--microbatch=4", "--async_microbatches=4", "--examples=32",
+                                "--eval_examples=16", f"--json={saved}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = subprocess.run(bench + [f"--from_json={saved}"], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    num = r"-?[\d.]+"
+    for out in (r.stdout, again.stdout):
+        for name in ("1f1b", "spectrain-1t"):   # 8 updates of 4 examples, 32 examples
+            assert re.search(rf"^text\s+2 {name}\s+{num}\s+8\s+4\s+32\s+{num}\s+{num}\s+\S+\s+"
+                             rf"\S+\s+{num}\s+\S+\s+{num}\s+{num}", out, re.M), out
+    assert re.search(r"staleness per stage \[1, 0\]", r.stdout)

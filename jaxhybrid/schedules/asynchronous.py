@@ -29,6 +29,11 @@ and the prediction distance s (`weight_columns`):
               microbatch sees D_k = 2(S-1-k) updates between its forward and its
               backward on stage k (`staleness`).
 
+`<name>-1t` (async, pipedream, spectrain, spectrain-v1; option tasks_per_tick=1) runs the
+same policies on a table with one task per device per tick (`one_task_per_tick`):
+PipeDream's timing, where stage k holds S-k microbatches and D_k = S-1-k, the paper's
+N-k-1, at the price of a larger lock-step bubble.
+
 Microbatches stream through one call without a flush; the pipeline fills and drains
 once per call (bubble (S-1)/(M+S-1) in ticks, as 1F1B's per step), so a call should
 hold many microbatches: each is a whole optimizer batch here. With Adam, u is Adam's
@@ -41,7 +46,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxhybrid.schedules.builders import one_f_one_b, one_f_one_b_warmup, register_schedule
+from jaxhybrid.schedules.builders import (_one_f_one_b_order, one_f_one_b, one_f_one_b_warmup,
+                                          register_schedule)
+from jaxhybrid.schedules.placer import place_tasks
 from jaxhybrid.schedules.tasks import IDLE, Schedule, Task, TaskType
 
 ASYNC_POLICIES = ("newest", "stash", "two-buffer", "predict-v1", "predict-v2")
@@ -53,11 +60,26 @@ def is_asynchronous(sched: Schedule) -> bool:
     return sched.weights != "sync"
 
 
-def _async_table(name: str, S: int, M: int, weights: str, window: int = 1) -> Schedule:
+def one_task_per_tick(S: int, M: int) -> Schedule:
+    """1F1B with at most one task per device per tick (S-k forwards, then alternately a
+    backward and a forward): PipeDream's timing, where stage k holds S-k microbatches
+    and sees S-1-k updates between a microbatch's forward and backward (the paper's
+    N-k-1), against 2(S-1-k)+1 and 2(S-1-k) when a tick holds a forward and a backward.
+    In lock step a tick lasts as long as a backward, so this table idles more."""
+    orders = [_one_f_one_b_order([(TaskType.F, d, m) for m in range(M)],
+                                 [(TaskType.B, d, m) for m in range(M)], S - d) for d in range(S)]
+    return place_tasks("1f1b-1t", S, M, range(S), orders, per_tick=1)
+
+
+def _async_table(name: str, S: int, M: int, weights: str, window: int = 1,
+                 tasks_per_tick: int = 2) -> Schedule:
     if M % window:
         raise ValueError(f"{name}: num_microbatches={M} is not a multiple of the gradient "
                          f"window {window}; use a multiple of {window}.")
-    base = one_f_one_b(S, M)
+    if tasks_per_tick not in (1, 2):
+        raise ValueError(f"{name}: tasks_per_tick={tasks_per_tick!r} must be 2 (a forward and a "
+                         f"backward per tick) or 1 (PipeDream's timing).")
+    base = one_f_one_b(S, M) if tasks_per_tick == 2 else one_task_per_tick(S, M)
     b_tick = {(t.stage, t.microbatch): t.tick for t in base.tasks if t.kind == TaskType.B}
     updates = [Task(b_tick[(d, m)], d, TaskType.U, d, m)
                for d in range(S) for m in range(window - 1, M, window)]
@@ -68,21 +90,29 @@ def _async_table(name: str, S: int, M: int, weights: str, window: int = 1) -> Sc
 
 
 @register_schedule("async")
-def naive_async(num_stages: int, num_microbatches: int) -> Schedule:
-    return _async_table("async", num_stages, num_microbatches, "newest")
+def naive_async(num_stages: int, num_microbatches: int, tasks_per_tick: int = 2) -> Schedule:
+    return _async_table("async", num_stages, num_microbatches, "newest",
+                        tasks_per_tick=tasks_per_tick)
 
 
 @register_schedule("pipedream")
-def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
-    return _async_table("pipedream", num_stages, num_microbatches, "stash")
+def pipedream(num_stages: int, num_microbatches: int, tasks_per_tick: int = 2) -> Schedule:
+    return _async_table("pipedream", num_stages, num_microbatches, "stash",
+                        tasks_per_tick=tasks_per_tick)
+
+
+def two_bw_window(num_stages: int, num_microbatches: int) -> int:
+    """2bw's default gradient window: the smallest divisor of M that two buffers allow
+    (stage 0's in-flight count, 2S-1 in lock step), or M itself."""
+    need = one_f_one_b_warmup(num_stages, 0)
+    return min(w for w in range(1, num_microbatches + 1)
+               if num_microbatches % w == 0 and (w >= need or w == num_microbatches))
 
 
 @register_schedule("2bw")
 def two_bw(num_stages: int, num_microbatches: int, window: int | None = None) -> Schedule:
-    if window is None:   # the smallest that two buffers allow and that divides M
-        need = one_f_one_b_warmup(num_stages, 0)
-        window = min(w for w in range(1, num_microbatches + 1)
-                     if num_microbatches % w == 0 and (w >= need or w == num_microbatches))
+    if window is None:
+        window = two_bw_window(num_stages, num_microbatches)
     if not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"2bw: window={window!r} must be an int >= 1.")
     sched = _async_table("2bw", num_stages, num_microbatches, "two-buffer", int(window))
@@ -91,18 +121,34 @@ def two_bw(num_stages: int, num_microbatches: int, window: int | None = None) ->
 
 
 @register_schedule("spectrain")
-def spectrain(num_stages: int, num_microbatches: int, version: int = 2) -> Schedule:
+def spectrain(num_stages: int, num_microbatches: int, version: int = 2,
+              tasks_per_tick: int = 2) -> Schedule:
     if version not in (1, 2):
         raise ValueError(f"spectrain: version={version!r} must be 1 or 2 (the paper's two "
                          f"choices of s).")
-    return _async_table("spectrain", num_stages, num_microbatches, f"predict-v{version}")
+    return _async_table("spectrain", num_stages, num_microbatches, f"predict-v{version}",
+                        tasks_per_tick=tasks_per_tick)
 
 
 @register_schedule("spectrain-v1")
-def spectrain_v1(num_stages: int, num_microbatches: int) -> Schedule:
+def spectrain_v1(num_stages: int, num_microbatches: int, tasks_per_tick: int = 2) -> Schedule:
     """spectrain(version=1) under a name a config's pipeline.schedule can give."""
-    return dataclasses.replace(spectrain(num_stages, num_microbatches, version=1),
-                               name="spectrain-v1")
+    return dataclasses.replace(spectrain(num_stages, num_microbatches, version=1,
+                                         tasks_per_tick=tasks_per_tick), name="spectrain-v1")
+
+
+def _one_task_variant(name: str, fn):
+    """`<name>-1t`: `fn` with tasks_per_tick=1 (PipeDream's timing), a name configs can give."""
+    @register_schedule(f"{name}-1t")
+    def variant(num_stages: int, num_microbatches: int) -> Schedule:
+        return dataclasses.replace(fn(num_stages, num_microbatches, tasks_per_tick=1),
+                                   name=f"{name}-1t")
+    return variant
+
+
+for _name, _fn in (("async", naive_async), ("pipedream", pipedream), ("spectrain", spectrain),
+                   ("spectrain-v1", spectrain_v1)):
+    _one_task_variant(_name, _fn)
 
 
 # --- what each task sees --------------------------------------------------------------
