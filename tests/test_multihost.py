@@ -273,7 +273,13 @@ def test_rows_of_any_split_make_the_same_batches():
 def test_jitted_cut_for_stages_on_other_processes_equals_the_host_cut():
     # With pipe across processes (e.g. 2 processes on (1, 8)) checkpoints are cut and
     # packed by jitted programs instead of on the host: the same trees, both ways.
-    config = load_config("gpt_hybrid.py", overrides((2, 4)))
+    assert_jitted_cut_equals_host_cut(load_config("gpt_hybrid.py", overrides((2, 4))))
+
+
+def assert_jitted_cut_equals_host_cut(config):
+    """The checkpoint cut and pack as jitted programs (stages on other processes) give
+    the host's trees and shardings, both ways (also used at mesh.model=2). Returns
+    (state, host cut, jitted pack of the jitted cut)."""
     run = train.prepare(config)
     variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
     tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
@@ -290,3 +296,4 @@ def test_jitted_cut_for_stages_on_other_processes_equals_the_host_cut():
     for a, b in zip(jax.tree.leaves(checkpoint.from_portable(run.pipe, host, state)),
                     jax.tree.leaves(back)):
         np.testing.assert_array_equal(a, b)
+    return state, host, back

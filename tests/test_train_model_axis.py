@@ -117,24 +117,10 @@ def test_a_model_degree_that_does_not_fit_fails_in_one_line(tmp_path, model, mes
 def test_jitted_cut_at_model_2_equals_the_host_cut():
     # Stages on other processes: checkpoints are cut and packed by jitted programs
     # (jax.numpy split / concatenate of the model shards), the same trees as the host's.
-    import functools
-    cfg = config(2, 2, 2)
-    run = train.prepare(cfg)
-    variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
-    tx = train.make_optimizer(cfg.train, train.weight_decay_mask(run.pipe, variables))
-    state = {"variables": variables, "opt_state": tx.init(variables["params"])}
-    state["opt_state"] = jax.tree.map(lambda a: a + 1, state["opt_state"])   # not zeros
-    host = checkpoint.to_portable(run.pipe, state)
-    jitted = checkpoint._spread(run.pipe, functools.partial(checkpoint._portable, run.pipe))(state)
-    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jitted)):
-        np.testing.assert_array_equal(a, b)
+    from test_multihost import assert_jitted_cut_equals_host_cut
+    state, host, back = assert_jitted_cut_equals_host_cut(config(2, 2, 2))
     # Whole layers: the block's attention kernel [D, 3, heads, head dim] has all 2 heads.
     assert np.shape(host["layers"][1]["variables"]["params"]["c_attn"]["kernel"])[2] == 2
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    back = jax.jit(functools.partial(checkpoint._from_portable, run.pipe, abstract))(jitted)
-    for a, b in zip(jax.tree.leaves(checkpoint.from_portable(run.pipe, host, state)),
-                    jax.tree.leaves(back)):
-        np.testing.assert_array_equal(a, b)
     # Packed again, the parameters are the ones we started from (padding is zeros there).
     for a, b in zip(jax.tree.leaves(state["variables"]), jax.tree.leaves(back["variables"])):
         np.testing.assert_array_equal(a, b)
