@@ -98,3 +98,25 @@ def test_pack_rejects_values_that_do_not_fit():
         packing.pack(lay, [jnp.zeros(10)], {"float32": 5})
     with pytest.raises(ValueError, match="got 2 leaves"):
         packing.pack_numpy(lay, [np.zeros(10), np.zeros(1)], {"float32": 10})
+
+
+def test_place_in_free_space_uses_dead_leaves_and_padding_then_spills():
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    # One row: a whole buffer of 8192 floats and a rest buffer of 3 + 5 floats.
+    lays, lengths = packing.shared_layouts([[f32(8192), f32(3), f32(5)]])
+    row = lays[0]
+    # The whole buffer's leaf is dead: an 8192-float value takes it whole (offset 0).
+    placed, spilled = packing.place_in_free_space(row, lengths, [False, True, True],
+                                                  [f32(8192), f32(2)])
+    assert spilled == [1] and placed.keys == ("float32#w0",) and placed.offsets == (0,)
+    # The 3-float leaf is dead: a 2-float value fits there, a 4-float one does not.
+    placed, spilled = packing.place_in_free_space(row, lengths, [True, False, True],
+                                                  [f32(4), f32(2)])
+    assert spilled == [0] and placed.keys == ("float32",) and placed.offsets == (0,)
+    # Only live leaves' space is protected: nothing placed overlaps the live 5 floats.
+    placed, _ = packing.place_in_free_space(row, lengths, [True, True, True], [f32(1)])
+    assert placed.shapes == ()
+    # A different dtype never lands in a float buffer.
+    _, spilled = packing.place_in_free_space(row, lengths, [False, False, False],
+                                             [jax.ShapeDtypeStruct((3,), jnp.int32)])
+    assert spilled == [0]

@@ -41,7 +41,7 @@ def test_weight_half_runs_no_forward_and_repeats_no_input_gradient_op():
     # W's matmuls are the two kernel gradients only (B has the input-gradient ones).
     assert w_prims.count("dot_general") == 2
     g_x, crossing = sb.input_half(params, kept, [jnp.ones_like(out)])
-    g_p = sb.weight_half(params, kept, [jnp.ones_like(out)], crossing)
+    g_p = sb.weight_half(params, kept, crossing)
     ref_p, ref_x = vjp_fn(jnp.ones_like(out))
     for a, b in zip(g_p, jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -115,3 +115,52 @@ def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size)
     for a, b in zip(jax.tree.leaves((new_vars, new_opt)), jax.tree.leaves(
             ({**ref_vars, "params": ref_params}, ref_opt))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+
+def _stack_step(model: str, schedule: str = "zb-h1", width: int = 16, M: int = 4):
+    """(the jitted step, its args, the split layouts it ran with) of a 4-layer stack of
+    bench_model `model` (tanh: Dense+tanh, mlp: residual Dense+relu) on 2 stages."""
+    from jaxhybrid.bench.pipeline_bench import bench_model, pipeline_step
+    from jaxhybrid.models.spec import init_layers
+    stack, loss_fn, make_batch = bench_model(model, width=width, blocks=3)
+    per_layer = init_layers(stack, jax.random.key(0), make_batch(1)[0])
+    step, args, pipe = pipeline_step(stack, loss_fn, per_layer, make_batch(4 * M), data=1,
+                                     pipe=2, M=M, schedule=schedule)
+    jax.block_until_ready(step(*args))
+    return step, args, next(v for k, v in pipe._cache.items() if k[0] == "layouts")
+
+
+def test_split_backward_hands_w_its_cotangents_in_the_stash_space_b_frees():
+    # Dense+tanh: B reads tanh's output (for 1 - y^2), W reads the layer input and B's
+    # pre-activation cotangent. The cotangents go where tanh's outputs were (zero-bubble
+    # at 1F1B's stash), and what neither half reads is not stashed. Stage 0's B has no
+    # input gradient to compute, so its W reads the output gradient itself: B hands it
+    # over in the cross ring, and the gradient inbox is free after B, as in 1F1B.
+    _, _, lay = _stack_step("tanh")
+    assert lay.overflow[1] == [] and lay.split[1].crossing_avals
+    assert not all(lay.split[1].weight_reads_residual)
+    assert lay.overflow[0] == [0] and len(lay.split[0].crossing_avals) == 1
+    for k, sb in enumerate(lay.split):
+        assert len(lay.res[k].shapes) == sum(sb.reads_residual)
+    assert make_schedule("zb-h1", 4, 16).ring_slots()[1]["grad"] == \
+        make_schedule("1f1b", 4, 16).ring_slots()[1]["grad"]
+
+
+def test_split_backward_spills_cotangents_that_do_not_fit_to_the_cross_ring():
+    # ReLU: B's only residual is a bool mask, too small a space for a float cotangent.
+    _, _, lay = _stack_step("mlp")
+    assert lay.cross_len and any(lay.overflow)
+
+
+def test_no_ring_is_copied_whole_in_a_tick():
+    # XLA CPU copies a loop-carried ring whole when two separate slices read it before an
+    # in-place write, or when a row is written back unchanged: the runtime avoids both
+    # (one gather for B's and W's gradient rows; only rows that change are written).
+    import re
+    step, args, lay = _stack_step("tanh", width=64)
+    body = step.lower(*args).compile().as_text().split("\nENTRY ")[0]   # all but the entry
+    lengths = {str(n) for bufs in (lay.act_len, lay.grad_len, lay.res_len, lay.cross_len)
+               for n in bufs.values()}
+    copied = re.findall(r"= [a-z0-9]+\[(\d+),(\d+)\]\{1,0\} copy\(", body)
+    assert not [c for c in copied if c[1] in lengths], copied

@@ -66,7 +66,7 @@ class SplitBackward:
     split into `input_half` (B) and `weight_half` (W) over one trace.
 
     input_half(p, res, ct) -> (input grads, crossing values for W)
-    weight_half(p, res, ct, crossing) -> param grads
+    weight_half(p, res, crossing) -> param grads (the cotangents W needs are crossing values)
     `crossing_avals` gives the stash layout of the crossing values."""
 
     def __init__(self, bwd, p_avals: list, res_avals: list, ct_avals: list, num_param_grads: int):
@@ -93,7 +93,11 @@ class SplitBackward:
         w_idx = needed(self._gp_out) - b_idx
         self._b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
         self._w_eqns = [jaxpr.eqns[i] for i in sorted(w_idx)]
-        made_by_b = {v for e in self._b_eqns for v in e.outvars}
+        # W gets what it reads of B's values and of the cotangents through the crossing
+        # values, so the gradient inbox is free once B has run (1F1B's inbox lifetime).
+        n_p = len(jax.tree.leaves(p_avals))
+        ct_vars = set(self._invars[n_p + len(res_avals):])
+        made_by_b = {v for e in self._b_eqns for v in e.outvars} | ct_vars
         reads = [v for e in self._w_eqns for v in e.invars] + self._gp_out
         seen, crossing = set(), []
         for v in reads:
@@ -102,6 +106,17 @@ class SplitBackward:
                 crossing.append(v)
         self._crossing = crossing
         self.crossing_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in crossing]
+        # Which residual leaves W reads: the others are dead once B has run, so their
+        # stash space can hold the crossing values (`packing.place_in_free_space`).
+        reads = lambda eqns, outs: {v for e in eqns for v in e.invars
+                                    if not isinstance(v, jcore.Literal)} | set(outs)
+        w_reads = reads(self._w_eqns, self._gp_out)
+        b_reads = reads(self._b_eqns, self._gx_out)
+        res_vars = self._invars[n_p:n_p + len(res_avals)]
+        self.weight_reads_residual = tuple(v in w_reads for v in res_vars)
+        # Residuals neither half reads (jax.vjp keeps some a backward never uses, e.g. a
+        # custom_jvp rule's inputs) need no stash row at all.
+        self.reads_residual = tuple(v in w_reads or v in b_reads for v in res_vars)
         self.num_weight_eqns = len(self._w_eqns)
 
     def _env(self, p, res, ct) -> dict:
@@ -114,8 +129,9 @@ class SplitBackward:
         _run(self._b_eqns, env)
         return [_read(env, v) for v in self._gx_out], [env[v] for v in self._crossing]
 
-    def weight_half(self, p, res: list, ct: list, crossing: list) -> list:
-        env = self._env(p, res, ct)
+    def weight_half(self, p, res: list, crossing: list) -> list:
+        env = dict(self._consts)
+        env.update(zip(self._invars, [*jax.tree.leaves(p), *res]))
         env.update(zip(self._crossing, crossing))
         _run(self._w_eqns, env)
         return [_read(env, v) for v in self._gp_out]

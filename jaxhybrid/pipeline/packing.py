@@ -251,6 +251,46 @@ def pack_into(layout: Layout, tree: PyTree, buffers: Buffers) -> Buffers:
     return out
 
 
+def place_in_free_space(layout: Layout, lengths: Mapping[str, int], live: Sequence[bool],
+                        avals: Sequence) -> tuple[Layout, list]:
+    """Places the leaves `avals` in the part of one row of buffers (`lengths`) that the
+    layout's live leaves (`live[i]`) leave free: the space of its dead leaves and the
+    padding beyond them. Largest leaf first, into a free whole buffer of exactly its size
+    where one is (read back without a slice), else first fit in its dtype's buffers.
+    Returns (the Layout of the placed leaves, in their order; the indices of the leaves
+    that did not fit)."""
+    free = {key: [(0, n)] for key, n in lengths.items()}
+    for key, off, shape, alive in zip(layout.keys, layout.offsets, layout.shapes, live):
+        if alive:   # cut [off, off + n) out of the key's free intervals
+            end = off + math.prod(shape)
+            free[key] = [piece for a, b in free[key]
+                         for piece in ((a, min(b, off)), (max(a, end), b)) if piece[1] > piece[0]]
+    where, overflow = {}, []
+    order = sorted(range(len(avals)), key=lambda i: -math.prod(avals[i].shape))
+    for i in order:
+        n, dtype = math.prod(avals[i].shape), _dtype_name(avals[i].dtype)
+        keys = [k for k in free if dtype_of(k) == dtype]
+        exact = [k for k in keys if free[k] == [(0, n)] and lengths[k] == n]
+        fits = exact or [k for k in keys if any(b - a >= n for a, b in free[k])]
+        if not fits:
+            overflow.append(i)
+            continue
+        key = fits[0]
+        j = next(j for j, (a, b) in enumerate(free[key]) if b - a >= n)
+        a, b = free[key][j]
+        where[i] = (key, a)
+        free[key][j:j + 1] = [(a + n, b)] if b > a + n else []
+    placed = [i for i in range(len(avals)) if i in where]
+    sizes = collections.Counter()
+    for i in placed:
+        sizes[where[i][0]] += math.prod(avals[i].shape)
+    return Layout(jax.tree.structure([0] * len(placed)),
+                  tuple(tuple(avals[i].shape) for i in placed),
+                  tuple(_dtype_name(avals[i].dtype) for i in placed),
+                  tuple(where[i][0] for i in placed), tuple(where[i][1] for i in placed),
+                  tuple(sorted(sizes.items()))), sorted(overflow)
+
+
 def split_layout(layout: Layout, trees: Sequence[PyTree]) -> list[Layout]:
     """The layout of a tuple of trees, cut into one layout per tree (e.g. a device's
     buffers holding several pipeline stages: each stage reads only its own leaves)."""

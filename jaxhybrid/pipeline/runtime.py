@@ -74,8 +74,12 @@ class Engine:
 @dataclasses.dataclass
 class StageLayouts:
     """Layouts of what travels or is stashed, for one microbatch shape. act[k] / grad[k]:
-    the input of stage k (act[K]: the model output); res[k] residuals; cross[k]: what a
-    split B stashes for W; split[k]: the stage's SplitBackward (split schedules)."""
+    the input of stage k (act[K]: the model output); res[k] residuals; split[k]: the
+    stage's SplitBackward (split schedules). What a split B hands to W (the crossing
+    values) goes into the stash row's space that only B read (`in_row[k]`: its Layout
+    over the stash buffers and which crossing values it holds); the rest into the cross
+    ring (cross[k], `overflow[k]`), so zero-bubble costs no stash beyond 1F1B's when B's
+    dead residuals are as big as W's inputs (a Dense layer's activation output and mask)."""
     act: list
     grad: list
     res: list
@@ -86,6 +90,31 @@ class StageLayouts:
     cross_len: dict
     residuals: Residuals
     split: list
+    in_row: list = dataclasses.field(default_factory=list)
+    overflow: list = dataclasses.field(default_factory=list)
+    # Split stages stash only the residuals B or W reads (res_used[k]: their indices
+    # among the forward's kept residuals, res_avals[k]: all of those, for the zeros).
+    res_used: list = dataclasses.field(default_factory=list)
+    res_avals: list = dataclasses.field(default_factory=list)
+
+    def stashed(self, k: int, kept: list) -> list:
+        return kept if not self.res_used else [kept[i] for i in self.res_used[k]]
+
+    def unstashed(self, k: int, res_row: dict) -> list:
+        """The kept residuals of stage k from its stash row (zeros where not stashed:
+        nothing reads those)."""
+        leaves = packing.unpack_leaves(self.res[k], res_row)
+        if not self.res_used:
+            return leaves
+        got = dict(zip(self.res_used[k], leaves))
+        return [got[i] if i in got else jnp.zeros(a.shape, a.dtype)
+                for i, a in enumerate(self.res_avals[k])]
+
+    @property
+    def in_row_keys(self) -> tuple:
+        """The stash buffers some stage's B writes crossing values into: only these are
+        written back (rewriting a row unchanged costs XLA CPU a copy of the ring)."""
+        return tuple(sorted({key for lay in self.in_row for key in lay.size_of}))
 
 
 @flax.struct.dataclass
@@ -117,7 +146,18 @@ def _row(bufs: dict, i) -> dict:
 
 
 def _set_row(bufs: dict, i, values: dict) -> dict:
-    return {k: lax.dynamic_update_index_in_dim(bufs[k], values[k], i, 0) for k in bufs}
+    """Row i := values, for the buffers `values` names (the others stay as they are)."""
+    return {**bufs, **{k: lax.dynamic_update_index_in_dim(bufs[k], v, i, 0)
+                       for k, v in values.items()}}
+
+
+def _write_row(bufs: dict, i, values: dict, busy) -> dict:
+    """Row i of a ring := values where `busy`, else unchanged. Rings are written here,
+    outside the slot's cond, with only the row going through the cond: a ring passed
+    through a `lax.cond` is copied whole by XLA CPU on every tick (measured: three
+    copies of the crossing ring per zero-bubble tick)."""
+    return _set_row(bufs, i, {k: jnp.where(busy, v, lax.dynamic_index_in_dim(
+        bufs[k], i, keepdims=False)) for k, v in values.items()})
 
 
 def _take(tree: PyTree, i) -> PyTree:
@@ -180,7 +220,7 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
     boundary, residual and (split) crossing layouts."""
     K = len(eng.stages)
     trees = boundary_trees(eng, mb_inputs, train, rng)
-    kept_trees, residuals, splits, crosses = [], Residuals(), [], []
+    kept_trees, residuals, splits, crosses, all_kept = [], Residuals(), [], [], []
     gmb = jax.ShapeDtypeStruct((), jnp.int32)
     for k, (stage, x) in enumerate(zip(eng.stages, trees)):
         last = k == K - 1
@@ -192,22 +232,33 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
 
         out, kept, _ = tensor_parallel.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
                                       mb_targets, rng, gmb)
-        kept_trees.append(kept)
         if split:
             ct = [jax.ShapeDtypeStruct((), jnp.float32)] if last else _floats(out)
             sb = SplitBackward(_backward_fn(residuals, k, last), stage.abstract_params, kept, ct,
                                len(jax.tree.leaves(stage.abstract_params)))
             splits.append(sb)
             crosses.append(sb.crossing_avals)
+            all_kept.append(kept)
+            kept = [a for a, read in zip(kept, sb.reads_residual) if read]
+        kept_trees.append(kept)
     internal, act_len = packing.shared_layouts(trees[1:K], whole_min=None)
     grads, grad_len = packing.shared_layouts([_floats(t) for t in trees[1:K]], whole_min=None)
     res, res_len = packing.shared_layouts(kept_trees)
-    cross, cross_len = packing.shared_layouts(crosses) if split else ([], {})
+    in_row, overflow = [], []
+    for k, sb in enumerate(splits):
+        live = [w for w, read in zip(sb.weight_reads_residual, sb.reads_residual) if read]
+        lay, rest = packing.place_in_free_space(res[k], res_len, live, crosses[k])
+        in_row.append(lay)
+        overflow.append(rest)
+    cross, cross_len = (packing.shared_layouts([[c[i] for i in o] for c, o in zip(crosses, overflow)])
+                        if split else ([], {}))
     return StageLayouts(
         act=[packing.layout_of(mb_inputs), *internal, packing.layout_of(trees[K])],
         grad=[packing.layout_of(_floats(mb_inputs)), *grads], res=res, cross=cross,
         act_len=act_len, grad_len=grad_len, res_len=res_len, cross_len=cross_len,
-        residuals=residuals, split=splits)
+        residuals=residuals, split=splits, in_row=in_row, overflow=overflow,
+        res_used=[tuple(i for i, r in enumerate(sb.reads_residual) if r) for sb in splits],
+        res_avals=all_kept)
 
 
 # --- task branches (module-level builders over explicit values) --------------------------
@@ -239,7 +290,7 @@ def forward_branch(job: Job, k: int):
         out, kept, new_state, yi = stage_forward(
             stage, k, k == K - 1, params, state, x, tgt, rng if job.has_rng else None, gmb,
             job.loss_fn, job.eng.num_microbatches, job.train, lay.residuals)
-        res = packing.pack(lay.res[k], kept, lay.res_len)
+        res = packing.pack(lay.res[k], lay.stashed(k, kept), lay.res_len)
         st_bufs = {**st_bufs, **{c: packing.pack_into(stage.state[c], new_state[c], st_bufs[c])
                                  for c in stage.state}}
         if k == K - 1:
@@ -258,38 +309,48 @@ def _cotangent(job: Job, k: int, g_row: dict) -> list:
 
 def backward_branch(job: Job, k: int):
     """B of stage k: (params, stash row, gradient row) -> (packed input gradient, packed
-    parameter gradient or None when split, packed crossing values or zeros)."""
+    parameter gradient or None when split, packed overflow crossing values or zeros, the
+    stash row with the crossing values in B's dead residuals' space, or None)."""
     lay, stage = job.lay, job.eng.stages[k]
 
     def run(p_bufs, res_row, g_row):
         params = packing.unpack(stage.params, p_bufs)
-        kept = packing.unpack_leaves(lay.res[k], res_row)
+        kept = lay.unstashed(k, res_row)
         ct = _cotangent(job, k, g_row)
         if job.split:
             g_x, crossing = lay.split[k].input_half(params, kept, ct)
-            g_params, cross = None, packing.pack(lay.cross[k], crossing, lay.cross_len)
+            in_row = set(range(len(crossing))) - set(lay.overflow[k])
+            row = packing.pack_into(lay.in_row[k], [crossing[i] for i in sorted(in_row)],
+                                    res_row)
+            row = {key: row[key] for key in lay.in_row_keys}
+            g_params, cross = None, packing.pack(
+                lay.cross[k], [crossing[i] for i in lay.overflow[k]], lay.cross_len)
         else:
             grads = _backward_fn(lay.residuals, k, k == len(job.eng.stages) - 1)(params, kept, ct)
             g_params, g_x = grads[0], (grads[1] if k > 0 else [])
-            cross = packing.zeros(lay.cross_len)
+            cross, row = packing.zeros(lay.cross_len), None
         g_out = packing.pack(lay.grad[k], g_x, lay.grad_len) if k > 0 else packing.zeros(lay.grad_len)
         # A split B returns no parameter gradient at all (not a zero buffer for W to add).
         g_p = None if g_params is None else packing.pack(stage.params, g_params,
                                                          job.eng.param_len)
-        return g_out, g_p, cross
+        return g_out, g_p, cross, row
     return run
 
 
 def weight_branch(job: Job, k: int):
-    """W of stage k: (params, stash row, gradient row, crossing row) -> packed parameter
-    gradient, from residuals and B's cotangents only."""
+    """W of stage k: (params, stash row, crossing row) -> packed parameter gradient, from
+    residuals and what B handed over (its cotangents, and the stage's output gradient
+    where W reads it) only."""
     lay, stage = job.lay, job.eng.stages[k]
 
-    def run(p_bufs, res_row, g_row, cross_row):
+    def run(p_bufs, res_row, cross_row):
         params = packing.unpack(stage.params, p_bufs)
-        kept = packing.unpack_leaves(lay.res[k], res_row)
-        crossing = packing.unpack_leaves(lay.cross[k], cross_row)
-        g = lay.split[k].weight_half(params, kept, _cotangent(job, k, g_row), crossing)
+        kept = lay.unstashed(k, res_row)
+        in_row = iter(packing.unpack_leaves(lay.in_row[k], res_row))
+        spilled = dict(zip(lay.overflow[k], packing.unpack_leaves(lay.cross[k], cross_row)))
+        crossing = [spilled[i] if i in spilled else next(in_row)
+                    for i in range(len(lay.split[k].crossing_avals))]
+        g = lay.split[k].weight_half(params, kept, crossing)
         return packing.pack(stage.params, jax.tree.unflatten(
             jax.tree.structure(stage.abstract_params), g), job.eng.param_len)
     return run
@@ -322,57 +383,64 @@ class Device:
 def _forward_slot(job: Job, dev: Device, c: Carry, row):
     k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
 
-    def busy(stash, state, loss, versions):
+    def busy(act_row, state, loss, versions):
         weights, versions = async_weights.forward_weights(job.weights, dev.params_of(c),
                                                           versions, c.opt_state, row)
         act, res, state, l = lax.switch(
-            jnp.maximum(k, 0), dev.branches["F"], weights, state,
-            _row(c.act_in, row[COL["f_act"]]), _take(dev.inputs, m), _take(dev.targets, m),
+            jnp.maximum(k, 0), dev.branches["F"], weights, state, act_row,
+            _take(dev.inputs, m), _take(dev.targets, m),
             dev.d * job.eng.num_microbatches + m, dev.rng)
-        return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l, versions
+        return act, res, state, loss + l, versions
 
-    def idle(stash, state, loss, versions):
-        return packing.zeros(job.lay.act_len), stash, state, loss, versions
+    def idle(act_row, state, loss, versions):
+        return (packing.zeros(job.lay.act_len), packing.zeros(job.lay.res_len), state, loss,
+                versions)
 
-    # An idle slot neither runs a stage nor writes a (zero) residual row: with one task
-    # per tick (zero-bubble tables) most slots of a kind are idle.
-    act, stash, state, loss, versions = lax.cond(k >= 0, busy, idle, c.stash, c.state, c.loss,
-                                                 c.versions)
+    # An idle slot neither runs a stage nor changes a residual row: with one task per
+    # tick (zero-bubble tables) most slots of a kind are idle.
+    act, res, state, loss, versions = lax.cond(
+        k >= 0, busy, idle, _row(c.act_in, row[COL["f_act"]]), c.state, c.loss, c.versions)
+    stash = _write_row(c.stash, row[COL["f_stash"]], res, k >= 0)
     return c.replace(stash=stash, state=state, loss=loss, versions=versions), act
 
 
 def _backward_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["b_stage"]]
 
-    def busy(acc, cross_buf, res, g_in):
+    def busy(acc, res, g_in):
         weights = async_weights.backward_weights(job.weights, dev.params_of(c), c.versions,
                                                  c.opt_state, row)
-        g_out, g_p, cross = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights, res, g_in)
+        g_out, g_p, cross, res = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights, res,
+                                            g_in)
         if job.split:   # a split B leaves the parameter gradient to W: no add
-            return g_out, acc, _set_row(cross_buf, row[COL["b_cross"]], cross)
-        return g_out, {n: acc[n] + g_p[n] for n in acc}, cross_buf
+            return g_out, acc, cross, res
+        return g_out, {n: acc[n] + g_p[n] for n in acc}, cross, None
 
-    def idle(acc, cross_buf, res, g_in):
-        return packing.zeros(job.lay.grad_len), acc, cross_buf
+    def idle(acc, res, g_in):
+        return (packing.zeros(job.lay.grad_len), acc, packing.zeros(job.lay.cross_len),
+                {key: res[key] for key in job.lay.in_row_keys} if job.split else None)
 
     # An idle slot skips the backward and the gradient add altogether (a cond around
     # switch + add was ~15% faster per step on XLA CPU than adding a zero gradient).
-    g_out, acc, cross = lax.cond(k >= 0, busy, idle, c.acc, c.cross,
-                                 _row(c.stash, row[COL["b_stash"]]),
-                                 _row(c.grad_in, row[COL["b_grad"]]))
-    return c.replace(acc=acc, cross=cross), g_out
+    g_out, acc, cross, res = lax.cond(k >= 0, busy, idle, c.acc,
+                                      _row(c.stash, row[COL["b_stash"]]),
+                                      _row(c.grad_in, row[COL["b_grad"]]))
+    if job.split:   # W's inputs: the stash row (crossing values in B's dead space), cross
+        # (an idle slot returns the row it read: writing it back needs no select)
+        c = c.replace(stash=_set_row(c.stash, row[COL["b_stash"]], res),
+                      cross=_write_row(c.cross, row[COL["b_cross"]], cross, k >= 0))
+    return c.replace(acc=acc), g_out
 
 
 def _weight_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["w_stage"]]
 
-    def busy(acc, res, g_in, cross):
-        g_p = lax.switch(jnp.maximum(k, 0), dev.branches["W"], dev.params_of(c), res, g_in,
-                         cross)
+    def busy(acc, res, cross):
+        g_p = lax.switch(jnp.maximum(k, 0), dev.branches["W"], dev.params_of(c), res, cross)
         return {n: acc[n] + g_p[n] for n in acc}
 
     acc = lax.cond(k >= 0, busy, lambda acc, *_: acc, c.acc, _row(c.stash, row[COL["w_stash"]]),
-                   _row(c.grad_in, row[COL["w_grad"]]), _row(c.cross, row[COL["w_cross"]]))
+                   _row(c.cross, row[COL["w_cross"]]))
     return c.replace(acc=acc)
 
 
@@ -407,11 +475,11 @@ def _replicated_update(job: Job, dev: Device, c: Carry, row) -> Carry:
 def _send(values: dict, channel, boxes: dict, slot, sending) -> dict:
     """Moves a device's output over one channel and files what arrives at `slot`, in
     ticks where some device sends on it (`sending`: the tick's flag, not the device's)."""
-    def move(boxes):
-        got = values if not channel.perm else {n: lax.ppermute(v, PIPE, channel.perm)
-                                               for n, v in values.items()}
-        return _set_row(boxes, slot, got)
-    return lax.cond(sending, move, lambda boxes: boxes, boxes)
+    if channel.perm:
+        values = lax.cond(sending, lambda v: {n: lax.ppermute(a, PIPE, channel.perm)
+                                              for n, a in v.items()}, lambda v: v, values)
+    # A device that receives nothing this tick has `slot` = the inbox's dummy row.
+    return _set_row(boxes, slot, values)
 
 
 def tick(c: Carry, t, *, job: Job, dev: Device, kinds) -> tuple[Carry, None]:

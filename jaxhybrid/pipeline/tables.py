@@ -5,7 +5,8 @@ buffer slots it reads and writes; per transfer channel, the slot where what arri
 tick lands. Slots come from `Schedule.ring_slots` (interval colouring per device), so
 ring sizes are what the table needs (1F1B keeps O(S) microbatches, GPipe O(M)). For the
 inboxes, slot `size` (one past the last) is a dummy row that absorbs transfers nobody
-needs; idle stash slots point there too but never write (reads clamp).
+needs; idle stash slots point there too (reads and writes clamp to the last row, and an
+idle slot writes back what it read).
 
 Channels: a value produced on device d for a stage on device d' moves by
 `ppermute` over the channel (d' - d) mod S — +1 for 1F1B and interleaved (the last
@@ -25,7 +26,7 @@ from jaxhybrid.schedules.asynchronous import WEIGHT_COLUMNS, weight_columns
 # task of an asynchronous schedule).
 COLUMNS = ("f_stage", "f_mb", "f_act", "f_stash",
            "b_stage", "b_mb", "b_grad", "b_stash", "b_cross",
-           "w_stage", "w_mb", "w_grad", "w_stash", "w_cross",
+           "w_stage", "w_mb", "w_stash", "w_cross",
            "u_stage", *WEIGHT_COLUMNS)
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -75,7 +76,6 @@ def control_table(sched: Schedule) -> ControlTable:
     for name in COLUMNS:
         tab[..., COL[name]] = IDLE if name.endswith(("stage", "mb")) else 0
     tab[..., COL["f_act"]], tab[..., COL["b_grad"]] = sizes["act"], sizes["grad"]
-    tab[..., COL["w_grad"]] = sizes["grad"]
     tab[..., COL["f_stash"]] = tab[..., COL["b_stash"]] = tab[..., COL["w_stash"]] = sizes["stash"]
     tab[..., COL["b_cross"]] = tab[..., COL["w_cross"]] = sizes["cross"]
     act_recv = np.full((T, S, len(act_ch)), sizes["act"], np.int32)
@@ -96,8 +96,8 @@ def control_table(sched: Schedule) -> ControlTable:
             p = "b" if t.kind == TaskType.B else "w"
             row[COL[f"{p}_stage"]], row[COL[f"{p}_mb"]] = k, m
             row[COL[f"{p}_stash"]] = stash_slot[(dev[k], (k, m))]
-            if k < K - 1:
-                row[COL[f"{p}_grad"]] = grad_slot[(dev[k], (k, m))]
+            if k < K - 1 and t.kind == TaskType.B:
+                row[COL["b_grad"]] = grad_slot[(dev[k], (k, m))]
             if sched.split_backward:
                 row[COL[f"{p}_cross"]] = cross_slot[(dev[k], (k, m))]
             if t.kind == TaskType.B and k > 0:

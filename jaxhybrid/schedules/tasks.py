@@ -161,8 +161,9 @@ class Schedule:
                 stash.append((dev[k], (k, m), t, when[(last, k, m)]))
             if kind == TaskType.F and k > 0:
                 act.append((dev[k], (k, m), when[(TaskType.F, k - 1, m)], t))
-            if kind == TaskType.B and k < K - 1:   # gradient from k+1, read by B (and W)
-                grad.append((dev[k], (k, m), when[(TaskType.B, k + 1, m)], when[(last, k, m)]))
+            if kind == TaskType.B and k < K - 1:   # gradient from k+1, read by B only (what
+                # W needs of it, B hands over with its cotangents: the cross ring)
+                grad.append((dev[k], (k, m), when[(TaskType.B, k + 1, m)], t))
             if kind == TaskType.B and self.split_backward:
                 cross.append((dev[k], (k, m), t, when[(TaskType.W, k, m)]))
         # Inboxes are written at the end of a tick, after its reads: a slot read in tick r
@@ -175,7 +176,7 @@ class Schedule:
     def ring_slots(self) -> tuple[tuple, dict]:
         """Ring buffers the runtime needs: ((act, grad, stash, cross) slot of each
         (device, (stage, microbatch)) value, {ring: size}). act: activations received for
-        a stage's F; grad: gradients received for its B (kept for W when split); stash:
+        a stage's F; grad: gradients received for its B (only B reads them); stash:
         residuals from F to the last backward; cross: what a split B hands to W."""
         return self._rings
 
