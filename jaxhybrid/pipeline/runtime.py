@@ -151,15 +151,6 @@ def _set_row(bufs: dict, i, values: dict) -> dict:
                        for k, v in values.items()}}
 
 
-def _write_row(bufs: dict, i, values: dict, busy) -> dict:
-    """Row i of a ring := values where `busy`, else unchanged. Rings are written here,
-    outside the slot's cond, with only the row going through the cond: a ring passed
-    through a `lax.cond` is copied whole by XLA CPU on every tick (measured: three
-    copies of the crossing ring per zero-bubble tick)."""
-    return _set_row(bufs, i, {k: jnp.where(busy, v, lax.dynamic_index_in_dim(
-        bufs[k], i, keepdims=False)) for k, v in values.items()})
-
-
 def _take(tree: PyTree, i) -> PyTree:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -383,53 +374,49 @@ class Device:
 def _forward_slot(job: Job, dev: Device, c: Carry, row):
     k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
 
-    def busy(act_row, state, loss, versions):
+    def busy(stash, state, loss, versions):
         weights, versions = async_weights.forward_weights(job.weights, dev.params_of(c),
                                                           versions, c.opt_state, row)
         act, res, state, l = lax.switch(
-            jnp.maximum(k, 0), dev.branches["F"], weights, state, act_row,
-            _take(dev.inputs, m), _take(dev.targets, m),
+            jnp.maximum(k, 0), dev.branches["F"], weights, state,
+            _row(c.act_in, row[COL["f_act"]]), _take(dev.inputs, m), _take(dev.targets, m),
             dev.d * job.eng.num_microbatches + m, dev.rng)
-        return act, res, state, loss + l, versions
+        return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l, versions
 
-    def idle(act_row, state, loss, versions):
-        return (packing.zeros(job.lay.act_len), packing.zeros(job.lay.res_len), state, loss,
-                versions)
+    def idle(stash, state, loss, versions):
+        return packing.zeros(job.lay.act_len), stash, state, loss, versions
 
-    # An idle slot neither runs a stage nor changes a residual row: with one task per
-    # tick (zero-bubble tables) most slots of a kind are idle.
-    act, res, state, loss, versions = lax.cond(
-        k >= 0, busy, idle, _row(c.act_in, row[COL["f_act"]]), c.state, c.loss, c.versions)
-    stash = _write_row(c.stash, row[COL["f_stash"]], res, k >= 0)
+    # An idle slot neither runs a stage nor touches the stash: with one task per tick
+    # (zero-bubble tables) most slots of a kind are idle. (The ring may go through the
+    # cond: XLA CPU writes its row in place there.)
+    act, stash, state, loss, versions = lax.cond(k >= 0, busy, idle, c.stash, c.state, c.loss,
+                                                 c.versions)
     return c.replace(stash=stash, state=state, loss=loss, versions=versions), act
 
 
 def _backward_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["b_stage"]]
 
-    def busy(acc, res, g_in):
+    def busy(acc, stash, cross_buf, g_in):
         weights = async_weights.backward_weights(job.weights, dev.params_of(c), c.versions,
                                                  c.opt_state, row)
-        g_out, g_p, cross, res = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights, res,
-                                            g_in)
-        if job.split:   # a split B leaves the parameter gradient to W: no add
-            return g_out, acc, cross, res
-        return g_out, {n: acc[n] + g_p[n] for n in acc}, cross, None
+        g_out, g_p, cross, res = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights,
+                                            _row(stash, row[COL["b_stash"]]), g_in)
+        if not job.split:
+            return g_out, {n: acc[n] + g_p[n] for n in acc}, stash, cross_buf
+        # A split B leaves the parameter gradient to W (no add) and hands W its values:
+        # in the stash row's space of residuals only B read, the rest in the cross ring.
+        return (g_out, acc, _set_row(stash, row[COL["b_stash"]], res),
+                _set_row(cross_buf, row[COL["b_cross"]], cross))
 
-    def idle(acc, res, g_in):
-        return (packing.zeros(job.lay.grad_len), acc, packing.zeros(job.lay.cross_len),
-                {key: res[key] for key in job.lay.in_row_keys} if job.split else None)
+    def idle(acc, stash, cross_buf, g_in):
+        return packing.zeros(job.lay.grad_len), acc, stash, cross_buf
 
     # An idle slot skips the backward and the gradient add altogether (a cond around
     # switch + add was ~15% faster per step on XLA CPU than adding a zero gradient).
-    g_out, acc, cross, res = lax.cond(k >= 0, busy, idle, c.acc,
-                                      _row(c.stash, row[COL["b_stash"]]),
-                                      _row(c.grad_in, row[COL["b_grad"]]))
-    if job.split:   # W's inputs: the stash row (crossing values in B's dead space), cross
-        # (an idle slot returns the row it read: writing it back needs no select)
-        c = c.replace(stash=_set_row(c.stash, row[COL["b_stash"]], res),
-                      cross=_write_row(c.cross, row[COL["b_cross"]], cross, k >= 0))
-    return c.replace(acc=acc), g_out
+    g_out, acc, stash, cross = lax.cond(k >= 0, busy, idle, c.acc, c.stash, c.cross,
+                                        _row(c.grad_in, row[COL["b_grad"]]))
+    return c.replace(acc=acc, stash=stash, cross=cross), g_out
 
 
 def _weight_slot(job: Job, dev: Device, c: Carry, row):
