@@ -25,7 +25,9 @@ def setup():
     model = pb.Model(256, 7, profile_rounds=1)
     cal = pb.Model(512, 7, profile_rounds=1)
     # Minimum of the runs: other processes on the host only ever add time.
-    hw, info = pb.calibrate(model, cal, configs=[(1, 2, 8), (1, 8, 8), (2, 4, 4)], batch=BATCH,
+    configs = pb.parse_cal_configs(["1x2x8@8", "1x8x4@8", "2x2x4@8", "1x2x8", "1x8x8", "2x4x4"],
+                                   None, cal.width)
+    hw, info = pb.calibrate(model, cal, configs=configs, batch=BATCH,
                             runs=5, reduce="min", log=lambda *a: None)
     return model, hw, info
 
@@ -140,3 +142,40 @@ def test_tick_latency_is_waiting_not_shared_work():
     one = hybrid.step_time(costs, base.replace(tick_latency=30e-6), data=1, pipe=1,
                            num_microbatches=4, per_worker_batch=16, include_update=False)
     assert one.engine_time == 0.0   # no pipeline, no ticks
+
+
+def test_calibration_recovers_known_engine_terms():
+    """`fit_engine_terms` on steps priced by a device with known engine terms (no
+    timing): it gives those terms back, so what the bench fits is what the host does."""
+    from jaxhybrid.plan.costs import LayerCost
+
+    def layers(width):
+        p = width * width
+        return [LayerCost(f"l{i}", 1, 0, 0, 0, 0, 4 * p, p, 4 * width, 4 * width, 8 * width,
+                          4 * width, 20e-6 * width / 64, 40e-6 * width / 64, measured=True)
+                for i in range(8)]
+    models = {w: hybrid.cost_fn(layers(w)) for w in (8, 128, 512, 2048)}
+    true = measured_device("true", mem_bandwidth=20e9, compute_slots=1.5, lockstep_slots=0.8,
+                           launch_overhead=200e-6, tick_overhead=15e-6, tick_param_bytes=20.0,
+                           task_overhead=8e-6, collective_overhead=10e-6, tick_latency=5e-6)
+
+    def predict(hw, c):
+        sched, d, p, M, w, mb = c
+        return hybrid.step_time(models[w], hw, data=d, pipe=p, num_microbatches=M,
+                                per_worker_batch=M * mb, schedule=sched,
+                                include_update=False).step_time
+    configs = pb.parse_cal_configs(pb.FLAGS["cal_configs"].default, "1f1b", 512)
+    configs += pb.parse_cal_configs(["1x2x4@2048", "2x4x2@2048/4"], "1f1b", 512)
+    measured = [(c, predict(true, c)) for c in configs]
+    base = true.replace(**{f: 0.0 for f, *_ in pb.ENGINE_TERMS})
+    hw, res = pb.fit_engine_terms(base, measured, predict, max_slots=2.0)
+    assert max(abs(r) for r in res) < 1e-3
+    for f, *_ in pb.ENGINE_TERMS:
+        assert getattr(hw, f) == pytest.approx(getattr(true, f), rel=0.05, abs=1e-8), f
+
+
+def test_calibration_configs_take_a_microbatch():
+    assert pb.parse_cal_configs(["zb-h1:1x4x4@8/4", "1x2x8"], None, 512) == [
+        ("zb-h1", 1, 4, 4, 8, 4), (None, 1, 2, 8, 512, 1)]
+    with pytest.raises(ValueError, match="microbatch"):
+        pb.parse_cal_configs(["1x2x8/x"], None, 512)

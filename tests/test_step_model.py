@@ -43,3 +43,56 @@ def test_plan_predicts_its_step_with_the_same_model():
     assert p.predicted_step_time == pytest.approx(expect)
     assert p.predicted_step_time > make_plan(costs, num_stages=4, num_microbatches=8,
                                              boundaries=p.boundaries).predicted_step_time
+
+
+def test_engine_work_per_task_collective_and_launch():
+    """The engine's own work: per F/B/W task a device runs, per collective a tick issues
+    (every device takes part), once per device per step; all of it shares the compute
+    slots like the layers' work."""
+    from jaxhybrid.plan.step_model import engine_counts
+    s = make_schedule("1f1b", 4, 8)
+    f, b = np.ones(4), 2 * np.ones(4)
+    tasks, coll = engine_counts(s)
+    assert tasks.sum() == 2 * 4 * 8                    # an F and a B per stage and microbatch
+    # One activation and one gradient channel (+1 / -1): 1 or 2 ppermutes a tick, never
+    # more, and none in a tick where nobody sends.
+    assert coll.max() == 2 and coll.min() >= 0 and coll.sum() >= 2 * (8 - 1)
+    bare = lockstep_time(s, f, b)
+    per_task = lockstep_time(s, f, b, task_overhead=0.5)
+    # Idle devices are not slower: a tick lasts its busiest device's work + its tasks' cost.
+    np.testing.assert_allclose(bare.compute + per_task.engine,
+                               (s.work(f, b) + 0.5 * tasks).max(axis=1).sum())
+    per_coll = lockstep_time(s, f, b, collective_overhead=0.25)
+    assert per_coll.engine == pytest.approx(0.25 * coll.sum())     # the same on every device
+    # On one slot (simulated devices one at a time) everything serialises: the step is
+    # all devices' work and the engine's, summed.
+    serial = lockstep_time(s, f, b, compute_slots=1.0, task_overhead=0.5, collective_overhead=0.25,
+                           launch_overhead=3.0, tick_overhead=0.1)
+    assert serial.compute == pytest.approx(s.work(f, b).sum())
+    assert serial.engine == pytest.approx(0.5 * tasks.sum() + 4 * (0.25 * coll.sum() + 3.0
+                                                                   + 0.1 * s.num_ticks))
+    assert lockstep_time(s, f, b, launch_overhead=3.0).engine == pytest.approx(3.0)
+
+
+def test_split_and_interleaved_tables_count_their_own_tasks_and_collectives():
+    from jaxhybrid.plan.step_model import engine_counts
+    zb, one = engine_counts(make_schedule("zb-h1", 4, 8)), engine_counts(make_schedule("1f1b", 4, 8))
+    assert zb[0].sum() == 3 * 4 * 8 and one[0].sum() == 2 * 4 * 8     # W tasks
+    inter = engine_counts(make_schedule("interleaved", 4, 8, virtual_stages=2))
+    assert inter[0].sum() == 2 * 8 * 8 and inter[1].sum() > one[1].sum()
+
+
+def test_engine_terms_use_the_lockstep_slots():
+    from jaxhybrid.plan.hardware import measured_device
+    from jaxhybrid.plan.step_model import engine_terms
+    hw = measured_device("h", mem_bandwidth=1e9, compute_slots=1.5, tick_overhead=1e-5,
+                         tick_param_bytes=8.0, task_overhead=2e-6, collective_overhead=3e-6,
+                         launch_overhead=4e-6, tick_latency=5e-6)
+    t = engine_terms(hw, 1000)
+    assert t["compute_slots"] == 1.5                       # no lock-step figure: compute_slots
+    assert t["tick_overhead"] == pytest.approx(1e-5 + 1000 * 8.0 / 1e9)
+    assert (t["task_overhead"], t["collective_overhead"], t["launch_overhead"],
+            t["tick_latency"]) == (2e-6, 3e-6, 4e-6, 5e-6)
+    assert engine_terms(hw.replace(lockstep_slots=0.8), 1000)["compute_slots"] == 0.8
+    with pytest.raises(ValueError, match="task_overhead"):
+        measured_device(task_overhead=-1.0)

@@ -2,6 +2,7 @@
 
     python scripts/bench.py projection [--val_configs=1x2x2,zb-h1:1x4x8@384,...] [--runs=7]
                                        [--calibration=auto|fit|stored] [--cache_dir=DIR]
+                                       [--cal_configs=1x2x8@8,2x2x4@512/8,...] [--reduce=min]
 
 The "hardware" is this host: 8 simulated CPU devices that share its cores. The model is
 `jaxhybrid.plan.hybrid.step_time` on `measured_device` with
@@ -15,12 +16,13 @@ The "hardware" is this host: 8 simulated CPU devices that share its cores. The m
                   them all) and on what else runs on the host, so it is measured here
                   and now; those two calibration runs are not validation rows;
   mem_bandwidth   a streaming-add microbenchmark on one device;
-  tick_overhead,  the engine's per-device per-tick costs (fixed, and per element of the
-  tick_param_bytes, packed parameter buffer) and its waiting per tick, least-squares
-  tick_latency    fitted to pipelined runs of *calibration* models (the same MLP at
-                  widths 512 and 128, not a validation width: 16x apart in parameters, so
-                  the per-parameter cost and the fixed ones separate) at microbatch 1,
-                  where they dominate.
+  engine terms    `ENGINE_TERMS`: `lockstep_slots` (devices computing at once inside the
+                  pipelined program), the engine's work per step, tick, packed parameter,
+                  task and collective, and its waiting per tick, least-squares fitted to
+                  pipelined runs of *calibration* models (`--cal_configs`: the same MLP
+                  at widths 8, 128 and 512, none a validation width; width 8 shows the
+                  engine alone, width 512 at microbatch 1 the per-parameter cost, larger
+                  microbatches the slots).
 
 So every validation row (each pipelined config, and DP at data 2 and 4) is held out:
 no number was fitted on it. A validation config is `[schedule:]DATAxPIPExM[@width]`
@@ -77,9 +79,12 @@ flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x
                   "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
-flags.DEFINE_list("cal_configs", "1x2x8,1x8x8,2x4x4,1x4x4@128,2x2x8@128,1x8x8@128",
-                  "calibration configs (microbatch 1), data x pipe x M[@width] (default width "
-                  "--cal_width; two widths tell the per-parameter engine cost from the fixed).")
+flags.DEFINE_list("cal_configs", "1x2x8@8,1x8x4@8,2x2x4@8,4x2x2@8,zb-h1:1x4x4@8,gpipe:1x2x8@8,"
+                  "interleaved:1x2x4@8,1x2x8,1x8x8,2x4x4,2x2x4@512/8,1x8x4@512/4,1x4x2@128/16",
+                  "calibration configs, [schedule:]data x pipe x M[@width][/microbatch] (default "
+                  "width --cal_width, microbatch 1): width 8 shows the engine's costs alone "
+                  "(per tick, task, collective, step), two widths tell the per-parameter cost "
+                  "from the fixed ones, larger microbatches how many devices compute at once.")
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule of calibration and of the "
                     "validation configs that name none.")
 flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
@@ -221,30 +226,81 @@ def predict(model: Model, hw: Hardware, *, data: int, pipe: int, M: int, batch: 
     return est
 
 
+def parse_cal_configs(items, schedule: str | None, width: int) -> list[tuple]:
+    """["zb-h1:1x4x4@8/4", "1x2x8", ...] -> [(schedule, data, pipe, M, width, microbatch),
+    ...]: a validation config (`parse_val_configs`) with an optional "/microbatch"
+    (examples per microbatch, default 1)."""
+    out = []
+    for item in items:
+        text, _, mb = str(item).partition("/")
+        if mb and not (mb.isdigit() and int(mb) > 0):
+            raise ValueError(f"config {item!r}: the microbatch after '/' must be a positive "
+                             f"integer, e.g. 2x2x4@512/8.")
+        out.append((*parse_val_configs([text], schedule, width)[0], int(mb) if mb else 1))
+    return out
+
+
+# The engine terms `calibrate` fits: (Hardware field, unit of the fitted number, start,
+# lower bound). lockstep_slots' upper bound is the host's cores; it may be below 1: it
+# is relative to the profile's layer times, which a lone device measures with all the
+# host's intra-op threads to itself (on XLA CPU a pipelined program's devices run
+# nearly one at a time, each with fewer threads than that).
+ENGINE_TERMS = (("lockstep_slots", 1.0, 1.0, 0.25), ("launch_overhead", 1e-6, 100.0, 0.0),
+                ("tick_overhead", 1e-6, 10.0, 0.0), ("tick_param_bytes", 1.0, 4.0, 0.0),
+                ("task_overhead", 1e-6, 10.0, 0.0), ("collective_overhead", 1e-6, 10.0, 0.0),
+                ("tick_latency", 1e-6, 10.0, 0.0))
+
+
+def fit_engine_terms(base: Hardware, measured, predict_fn, max_slots: float) -> tuple[Hardware, list]:
+    """Least-squares fit of the `ENGINE_TERMS` of `base` to measured steps (relative
+    residuals): `measured` [(config, seconds)], `predict_fn(hw, config)` the model's
+    seconds. Returns (the fitted Hardware, the residuals)."""
+    from scipy.optimize import least_squares
+
+    def hardware(x):
+        return base.replace(**{f: float(v) * unit for (f, unit, _, _), v in zip(ENGINE_TERMS, x)})
+
+    def residuals(x):
+        hw = hardware(x)
+        return [predict_fn(hw, c) / t - 1 for c, t in measured]
+
+    lo = [b for *_, b in ENGINE_TERMS]
+    hi = [max(max_slots, 1.0) if f == "lockstep_slots" else np.inf for f, *_ in ENGINE_TERMS]
+    fits = []
+    # The slots and the per-device work trade off (more slots, more work per device):
+    # start from a few slot counts and keep the best fit.
+    for slots in (0.5, 1.0, hi[0]):
+        x0 = [min(max(slots if f == "lockstep_slots" else s, l), h)
+              for (f, _, s, _), l, h in zip(ENGINE_TERMS, lo, hi)]
+        fits.append(least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac"))
+    best = min(fits, key=lambda f: f.cost).x
+    return hardware(best), [float(r) for r in residuals(best)]
+
+
 def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = "1f1b",
               runs: int = 7, reduce: str = "median", log=print) -> tuple[Hardware, dict]:
     """The host as a `measured_device`: C from DP scaling of `model` (1x1 vs all-devices x1
-    at per-worker `batch`), engine costs from pipelined runs of `cal` at microbatch 1."""
-    from scipy.optimize import least_squares
+    at per-worker `batch`), the engine terms (`ENGINE_TERMS`) from pipelined runs of `cal`
+    at other widths: `configs` [(schedule, data, pipe, M, width, microbatch)]
+    (`parse_cal_configs`; schedule None: `schedule`)."""
     n = jax.device_count()
     bw = stream_bandwidth()
     steps = [prepare_step(model, data=d, pipe=1, M=1, batch=batch, boundaries=[],
                           schedule=schedule) for d in (1, n)]
-    # (data, pipe, M) of the calibration model, or (data, pipe, M, width): a model of
-    # that width, same depth.
-    configs = [tuple(c) if len(c) == 4 else (*c, cal.width) for c in configs]
+    configs = [(sched or schedule, d, p, M, w, mb) for sched, d, p, M, w, mb in configs]
     cals = {cal.width: cal}
-    for data, pipe, M, width in configs:
+    for sched, data, pipe, M, width, mb in configs:
         m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds))
         b = hybrid.step_time(m.costs, measured_device("host_cpu", mem_bandwidth=bw),
-                             data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M,
-                             schedule=schedule).boundaries
-        steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=M, boundaries=b,
-                                  schedule=schedule))
+                             data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M * mb,
+                             schedule=sched).boundaries
+        steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=M * mb, boundaries=b,
+                                  schedule=sched))
     t1, tn, *cal_times = time_steps(steps, runs, reduce)
     # n replicas' compute shares C slots: t(nx1) = n t(1x1) / C + the gradient all-reduce
     # (which 1x1 does not run), itself modelled with C; a few fixed-point rounds solve it.
-    clip = lambda c: float(np.clip(c, 1.0, min(n, os.cpu_count() or n)))
+    cores = min(n, os.cpu_count() or n)
+    clip = lambda c: float(np.clip(c, 1.0, cores))
     device = lambda c: measured_device(
         "host_cpu", mem_bandwidth=bw, devices_per_node=n, compute_slots=c,
         description=f"{n} simulated CPU devices on {os.cpu_count()} cores")
@@ -257,30 +313,22 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     log(f"calibration: stream bandwidth {bw / 1e9:.1f} GB/s; DP scaling t(1x1)={t1 * 1e3:.2f} ms, "
         f"t({n}x1)={tn * 1e3:.2f} ms (all-reduce {ar * 1e3:.2f} ms) -> compute_slots "
         f"C={slots:.2f} (host cores: {os.cpu_count()})")
-    base = device(slots)
     meas = list(zip(configs, cal_times))
-
-    def engine(x):
-        return base.replace(tick_overhead=x[0] * 1e-6, tick_param_bytes=x[1],
-                            tick_latency=x[2] * 1e-6)
-
-    def residuals(x):
-        return [predict(cals[w], engine(x), data=d, pipe=p, M=M, batch=M,
-                        schedule=schedule).step_time / t - 1 for (d, p, M, w), t in meas]
-
-    fit = least_squares(residuals, [10.0, 8.0, 20.0], bounds=([0.0] * 3, [np.inf] * 3))
-    hw = engine(fit.x)
+    hw, res = fit_engine_terms(
+        device(slots), meas, lambda hw, c: predict(cals[c[4]], hw, data=c[1], pipe=c[2], M=c[3],
+                                                   batch=c[3] * c[5], schedule=c[0]).step_time,
+        max_slots=cores)
+    name = lambda c: (f"{c[0]}:" if c[0] != schedule else "") + "x".join(map(str, c[1:4])) + (
+        f"@{c[4]}" + (f"/{c[5]}" if c[5] != 1 else ""))
     info = dict(stream_bandwidth=bw, dp_1x1=t1, dp_nx1=tn, compute_slots=slots,
-                tick_overhead=hw.tick_overhead, tick_param_bytes=hw.tick_param_bytes,
-                tick_latency=hw.tick_latency,
-                rows=[dict(config="x".join(map(str, c[:3])) + f"@{c[3]}", measured=t)
-                      for c, t in meas],
-                residuals=[float(r) for r in residuals(fit.x)])
-    log(f"calibration: engine tick_overhead={hw.tick_overhead * 1e6:.1f} us/device/tick, "
-        f"tick_param_bytes={hw.tick_param_bytes:.1f} B per packed parameter per device per tick, "
-        f"tick_latency={hw.tick_latency * 1e6:.1f} us per tick "
-        f"(fit to {', '.join(r['config'] for r in info['rows'])} (config@width), "
-        f"microbatch 1; residuals {', '.join(f'{r:+.0%}' for r in info['residuals'])})")
+                **{f: getattr(hw, f) for f, *_ in ENGINE_TERMS},
+                rows=[dict(config=name(c), measured=t) for c, t in meas], residuals=res)
+    log("calibration: engine " + ", ".join(
+        f"{f}={getattr(hw, f) / unit:.3g}" + (" us" if unit == 1e-6 else "")
+        for f, unit, *_ in ENGINE_TERMS) + " (us: per device per tick / task / collective / "
+        f"step; tick_param_bytes: B per packed parameter per device per tick; fit to "
+        + ", ".join(f"{r['config']} {e:+.0%}" for r, e in zip(info["rows"], res))
+        + " (config@width[/microbatch]))")
     return hw, info
 
 
@@ -288,7 +336,7 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
              runs: int = 7, reduce: str = "median") -> list[dict]:
     """Predicted vs measured step for each (data, pipe, M), or each (schedule, data, pipe,
     M, width) (`parse_val_configs`; other widths: a `Model` of that width, same depth)."""
-    compute_only = hw.replace(tick_overhead=0.0, tick_param_bytes=0.0, tick_latency=0.0)
+    compute_only = hw.replace(**{f: 0.0 for f, *_ in ENGINE_TERMS if f != "lockstep_slots"})
     models = {model.width: model}
     rows, steps = [], []
     for config in configs:
@@ -376,8 +424,8 @@ def main(argv) -> None:
               f"({calibration.path(cache_dir)}): " + ", ".join(
                   f"{k}={v:.4g}" for k, v in doc["terms"].items()))
     else:
-        hw, info = calibrate(model, cal, configs=[c[1:] for c in parse_val_configs(
-                                 FLAGS.cal_configs, None, cal.width)],
+        hw, info = calibrate(model, cal, configs=parse_cal_configs(FLAGS.cal_configs, None,
+                                                                   cal.width),
                              batch=FLAGS.val_batch, schedule=FLAGS.schedule, runs=FLAGS.runs,
                              reduce=FLAGS.reduce)
         print(f"calibration stored in {calibration.save(hw, cache_dir, info)}")

@@ -1,10 +1,11 @@
 """Engine-cost calibration, fitted once per device kind, stored and reused.
 
 The step-time model (`jaxhybrid.plan.step_model`) needs a few terms that no datasheet
-gives: how many simulated devices compute at once (`compute_slots`), the engine's own
-cost per device per tick (`tick_overhead`, `tick_param_bytes`), its waiting per tick
-(`tick_latency`) and the streaming memory
-bandwidth. `jaxhybrid.bench.projection_bench.calibrate` fits them on this host; `save`
+gives: how many simulated devices compute at once (`compute_slots` in a data-parallel
+program, `lockstep_slots` in the pipelined one), the engine's own work per device per
+tick (`tick_overhead`, `tick_param_bytes`), per task (`task_overhead`), per collective
+(`collective_overhead`) and per step (`launch_overhead`), its waiting per tick
+(`tick_latency`) and the streaming memory bandwidth. `jaxhybrid.bench.projection_bench.calibrate` fits them on this host; `save`
 keeps them in `<cache dir>/calibration/<device key>.json` and `load` gives them back as
 a `Hardware`, so the projection, the planner (`stored_hardware`: `make_plan(hardware=)`
 from `plan_from_config` and `Pipeline`) and later benchmark runs use one fit.
@@ -24,8 +25,9 @@ from jaxhybrid.plan.hardware import Hardware, measured_device
 
 # The fitted terms (Hardware fields) a calibration stores.
 FIELDS = ("mem_bandwidth", "compute_slots", "tick_overhead", "tick_param_bytes",
-          "tick_latency", "devices_per_node")
-FORMAT = 2
+          "tick_latency", "task_overhead", "collective_overhead", "launch_overhead",
+          "lockstep_slots", "devices_per_node")
+FORMAT = 3
 
 
 def device_key(devices=None) -> str:

@@ -29,7 +29,13 @@ the device's packed parameter buffer per tick (jaxhybrid's runtime adds the whol
 gradient buffer into its accumulator every tick, also in idle slots, and copies stage
 weights out of the packed buffer) at `mem_bandwidth`; `tick_latency` seconds per tick
 that are waiting, not work (the tick's collectives' rendezvous of all devices, the loop
-step): they add to the tick's length once, not to every device's share of the cores. Both are 0 for the GPU presets,
+step): they add to the tick's length once, not to every device's share of the cores;
+`task_overhead` seconds of engine work per F/B/W task (branch dispatch, packing outputs
+and residuals, stash and inbox writes), `collective_overhead` per device per collective
+the tick issues, `launch_overhead` per device per step (launch, buffers zeroed, final
+reductions); `lockstep_slots`, how many devices compute at once inside the lock-step
+program (0: `compute_slots`; on XLA CPU the simulated devices of a pipelined program
+run nearly one at a time even where a data-parallel program overlaps them). All are 0 for the GPU presets,
 which model an engine whose per-tick costs vanish next to the layers' (see
 docs/projection.md); `measured_device` sets them from calibration runs (the validation
 bench on the simulated CPU devices, `jaxhybrid.bench.projection_bench`).
@@ -83,6 +89,11 @@ class Hardware:
     tick_overhead: float = 0.0       # fixed work per device per lock-step tick (pipe > 1)
     tick_param_bytes: float = 0.0    # bytes per packed parameter element per device per tick
     tick_latency: float = 0.0        # per tick on the critical path, not work (pipe > 1)
+    task_overhead: float = 0.0       # engine work per F/B/W task a device runs (pipe > 1)
+    collective_overhead: float = 0.0  # engine work per device per collective issued (pipe > 1)
+    launch_overhead: float = 0.0     # engine work per device per step (pipe > 1)
+    lockstep_slots: float = 0.0      # devices computing at once in the lock-step program
+                                     # (pipe > 1); 0: compute_slots
     step_overhead: float = 0.0       # fixed cost per training step
     description: str = ""
 
@@ -98,7 +109,8 @@ class Hardware:
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be > 0.")
         for f in ("tick_overhead", "tick_param_bytes", "tick_latency", "step_overhead",
-                  "layer_overhead"):
+                  "layer_overhead", "task_overhead", "collective_overhead", "launch_overhead",
+                  "lockstep_slots"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be >= 0.")
         if self.tick_param_bytes and self.mem_bandwidth is None:

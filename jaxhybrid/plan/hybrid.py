@@ -13,9 +13,11 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 per-stage forward/backward costs), plus per tick the boundary transfer
                 of one activation and one gradient (every device sends both, padded to
                 the largest boundary); with pipe > 1 every device's work in every tick
-                also holds the engine's own cost, `tick_overhead` + `tick_param_bytes`
-                x (packed parameter elements per device = the largest stage's) /
-                `mem_bandwidth` (0 for the GPU presets);
+                also holds the engine's own cost (`step_model.engine_terms`: per tick
+                `tick_overhead` + `tick_param_bytes` x (packed parameter elements per
+                device = the largest stage's) / `mem_bandwidth`, per task, per
+                collective, per step; 0 for the GPU presets), its ticks run with
+                `lockstep_slots` compute slots;
                 with finite `compute_slots` (simulated devices sharing C cores) a tick
                 lasts max(max_s work, data * sum_s work / C): the work of all devices in
                 the tick serialises over the cores that are there;
@@ -61,7 +63,7 @@ from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memo
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
-from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
+from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 
@@ -307,17 +309,14 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
 
     # The lock-step pipeline.
-    per_tick_comm = engine = latency = 0.0
+    per_tick_comm, engine = 0.0, dict(compute_slots=hw.compute_slots)
     if pipe > 1:
         nb = out_bytes[np.array(cuts) - 1].max()   # padded to the largest boundary
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
         per_tick_comm = tick_transfer(topo, links, nb)
-        device_params = np.bincount(dev, weights=params, minlength=pipe)
-        engine, latency = engine_tick_cost(hw, device_params.max()), hw.tick_latency
-    st = lockstep_time(sched, F, B, data=data * model, compute_slots=hw.compute_slots,
-                       tick_overhead=engine, transfer_per_tick=per_tick_comm,
-                       tick_latency=latency)
+        engine = engine_terms(hw, np.bincount(dev, weights=params, minlength=pipe).max())
+    st = lockstep_time(sched, F, B, data=data * model, transfer_per_tick=per_tick_comm, **engine)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline
     est.bubble_fraction = sched.bubble_fraction(F, B)

@@ -22,7 +22,7 @@ from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
-from jaxhybrid.plan.step_model import engine_tick_cost, lockstep_time, tick_transfer
+from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -58,6 +58,9 @@ class Plan:
     compute_slots: float | None = None
     tick_latency: float = 0.0                   # seconds per tick, waiting (not work)
     transfer_per_tick: float = 0.0              # the tick's boundary transfers (topology)
+    task_overhead: float = 0.0                  # engine work per F/B/W task
+    collective_overhead: float = 0.0            # engine work per device per collective
+    launch_overhead: float = 0.0                # engine work per device per step
 
     def __post_init__(self):
         S = self.num_stages
@@ -104,6 +107,9 @@ class Plan:
         return lockstep_time(self.schedule_table(), f, b, data=self.data,
                              compute_slots=self.compute_slots or math.inf,
                              tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
+                             task_overhead=self.task_overhead,
+                             collective_overhead=self.collective_overhead,
+                             launch_overhead=self.launch_overhead,
                              transfer_per_tick=self.transfer_per_tick,
                              allreduce=max(self.stage_allreduce_time, default=0.0)).total
 
@@ -286,18 +292,19 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     bwd = bwd + recompute_time(times, cuts, remat)
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
                                   **shard)
-    engine, latency, slots, per_tick = 0.0, 0.0, None, 0.0
+    engine, slots, per_tick = {}, None, 0.0
     if topology is not None and S > 1:   # (no virtual stages with a topology, above)
         dev = list(range(S * data)) if order is None else order
         links = {(dev[r * S + k], dev[r * S + k + 1]) for r in range(data) for k in range(S - 1)}
         per_tick = tick_transfer(topology, links, max(times[b - 1].out_bytes for b in cuts))
     if hardware is not None:
+        engine = dict(compute_slots=hardware.compute_slots)
         if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
             stage_params = stage_sums([c.param_count for c in times], cuts)
-            engine = engine_tick_cost(hardware, np.bincount(sched.stage_device,
-                                                            weights=stage_params).max())
-            latency = hardware.tick_latency
-        slots = hardware.compute_slots if math.isfinite(hardware.compute_slots) else None
+            engine = engine_terms(hardware, np.bincount(sched.stage_device,
+                                                        weights=stage_params).max())
+        slots = engine.pop("compute_slots")
+        slots = slots if math.isfinite(slots) else None
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -308,8 +315,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
                 device_memory=device_mem, virtual_stages=v,
-                schedule_options=dict(sched.options), tick_overhead=engine, compute_slots=slots,
-                tick_latency=latency, transfer_per_tick=per_tick)
+                schedule_options=dict(sched.options), compute_slots=slots,
+                transfer_per_tick=per_tick, **engine)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,

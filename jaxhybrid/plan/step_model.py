@@ -9,17 +9,24 @@ compare predictions with measured steps.
                    or, with finite `compute_slots` C (simulated devices sharing C cores),
                    max(that, data * sum_d work[t, d] / C): the work of every device of
                    all `data` replicas in the tick serialises over the cores there are;
-    engine         `tick_overhead`, the engine's own cost per device per tick (control
-                   flow, the packed-buffer reads: `Hardware.tick_overhead` and
-                   `tick_param_bytes`), added to every device's work of every tick;
-                   and `tick_latency` (`Hardware.tick_latency`) added once to every
-                   tick: waiting (the tick's collectives' rendezvous), not work;
+    engine         the engine's own work, added to a device's work in a tick:
+                   `tick_overhead` every tick (control flow, the table row, the
+                   packed-buffer reads: `Hardware.tick_overhead` and `tick_param_bytes`),
+                   `task_overhead` per F/B/W task it runs (the branch dispatch, packing
+                   the stage's output and residuals, the stash and inbox writes) and
+                   `collective_overhead` per collective the tick issues (`ppermute` per
+                   transfer channel in ticks where some device sends on it: every
+                   device takes part); `launch_overhead` once per step per device (the
+                   program's launch, buffers zeroed, the loss and gradients' final
+                   reductions), priced like one more tick of work; `tick_latency` added
+                   once to every tick: waiting (the tick's rendezvous), not work;
     transfer       `transfer_per_tick` x number of ticks (the tick-level ppermutes);
     all-reduce     after the flush, not overlapped.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -58,6 +65,41 @@ def engine_tick_cost(hw, device_param_elems: float) -> float:
     return float(hw.tick_overhead) + per_param
 
 
+def engine_terms(hw, device_param_elems: float) -> dict:
+    """`lockstep_time`'s engine keywords for a pipelined step (pipe > 1) on `hw` (a
+    `Hardware`), whose largest device holds `device_param_elems` packed parameters: the
+    engine's costs and `compute_slots`, the devices that compute at once inside the
+    lock-step program (`Hardware.lockstep_slots`, by default `compute_slots`)."""
+    slots = hw.lockstep_slots if hw.lockstep_slots else hw.compute_slots
+    return dict(compute_slots=float(slots), tick_overhead=engine_tick_cost(hw, device_param_elems),
+                task_overhead=float(hw.task_overhead),
+                collective_overhead=float(hw.collective_overhead),
+                launch_overhead=float(hw.launch_overhead), tick_latency=float(hw.tick_latency))
+
+
+@functools.lru_cache(maxsize=512)
+def engine_counts(schedule) -> tuple[np.ndarray, np.ndarray]:
+    """([tick, device] F/B/W tasks run, [tick] collectives issued) of `schedule` as the
+    runtime executes it (`jaxhybrid.pipeline.tables.control_table`: one `ppermute` per
+    transfer channel in every tick where some device sends on it)."""
+    from jaxhybrid.pipeline.tables import control_table
+    from jaxhybrid.schedules import TaskType
+    tasks = np.zeros((schedule.num_ticks, schedule.num_devices))
+    for t in schedule.tasks:
+        if t.kind in (TaskType.F, TaskType.B, TaskType.W):
+            tasks[t.tick, t.device] += 1
+    ct = control_table(schedule)
+    return tasks, _issued(ct.act_send, ct.act_channels) + _issued(ct.grad_send, ct.grad_channels)
+
+
+def _issued(send: np.ndarray, channels) -> np.ndarray:
+    """Per tick, the collectives issued: flagged channels that move data between devices
+    (a channel of shift 0 stays on the device)."""
+    send = np.asarray(send, bool).reshape(len(send), len(channels))
+    moving = np.array([bool(c.perm) for c in channels], bool)
+    return (send & moving).sum(axis=1).astype(float)
+
+
 def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.inf) -> np.ndarray:
     """Length of each lock-step tick from the [tick, device] work of one replica."""
     longest = work.max(axis=1)
@@ -67,15 +109,23 @@ def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.in
 
 
 def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots: float = math.inf,
-              tick_overhead: float = 0.0, transfer_per_tick: float = 0.0,
-              allreduce: float = 0.0, tick_latency: float = 0.0) -> StepTime:
+                  tick_overhead: float = 0.0, transfer_per_tick: float = 0.0,
+                  allreduce: float = 0.0, tick_latency: float = 0.0, task_overhead: float = 0.0,
+                  collective_overhead: float = 0.0, launch_overhead: float = 0.0) -> StepTime:
     """The step of `schedule` (a `jaxhybrid.schedules.Schedule`) with per-stage forward
     and (full) backward costs, under the model in the module docstring."""
     work = schedule.work(fwd_cost, bwd_cost)
     compute = float(tick_lengths(work, data, compute_slots).sum())
+    extra = np.full(work.shape, float(tick_overhead))
+    if task_overhead or collective_overhead:
+        tasks, coll = engine_counts(schedule)
+        extra = extra + task_overhead * tasks + collective_overhead * coll[:, None]
     engine = 0.0
-    if tick_overhead:
-        engine = float(tick_lengths(work + tick_overhead, data, compute_slots).sum()) - compute
+    if extra.any():
+        engine = float(tick_lengths(work + extra, data, compute_slots).sum()) - compute
+    if launch_overhead:
+        engine += float(tick_lengths(np.full((1, work.shape[1]), float(launch_overhead)), data,
+                                     compute_slots).sum())
     engine += float(tick_latency) * schedule.num_ticks
     return StepTime(compute, engine, float(transfer_per_tick) * schedule.num_ticks,
                     float(allreduce))
