@@ -124,5 +124,8 @@ class Phases:
                 f" (all phases: tracing {trace:.1f} s, lowering {lower:.1f} s, XLA or its "
                 f"cache {xla:.1f} s)")
         other = total - sum(self.seconds.values())
+        # CPU seconds of all threads (compiles run on several): on a shared host the
+        # wall times grow with the load, the CPU seconds much less.
         return (f"start-up: {', '.join(parts)}, other (imports, data, checkpoints) "
-                f"{other:.1f} s; launch -> first step done {total:.1f} s")
+                f"{other:.1f} s; process CPU {time.process_time():.1f} s; "
+                f"launch -> first step done {total:.1f} s")
