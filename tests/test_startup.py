@@ -54,6 +54,24 @@ def test_one_cost_analysis_per_distinct_layer_and_input(monkeypatch):
     assert [c.name for c in costs] == ["Dense_0", "Dense_1", "Dense_2", "Dense_3"]
 
 
+def test_profile_compiles_on_a_thread_pool_with_the_same_costs(monkeypatch):
+    """The cost-analysis compiles run on `COMPILE_THREADS` background threads while the
+    next layer is traced; the costs equal those of compiling each in line."""
+    threads = []
+    real = costs_mod._compile
+    monkeypatch.setattr(costs_mod, "_compile", lambda lowered, run: threads.append(
+        threading.current_thread().name) or real(lowered, run))
+    layers = [Block(16), Block(12), Block(12), Dense(8)]
+    monkeypatch.setattr(costs_mod, "COMPILE_THREADS", 0)
+    in_line = profile(layers, X, cache_dir=None)
+    assert threads and not any(t.startswith("profile-compile") for t in threads)
+    threads.clear()
+    monkeypatch.setattr(costs_mod, "COMPILE_THREADS", 2)
+    pooled = profile(layers, X, cache_dir=None)
+    assert len(threads) == 8 and all(t.startswith("profile-compile") for t in threads)
+    assert [c.to_dict() for c in pooled] == [c.to_dict() for c in in_line]
+
+
 def test_profile_disk_cache_round_trip(tmp_path, monkeypatch):
     first = profile(LAYERS, X, cache_dir=tmp_path)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
