@@ -11,6 +11,7 @@ file in the workdir is written.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -470,10 +471,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     init_rng, train_rng = jax.random.split(base_rng)
 
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
+    layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
     with phases("plan", split_compile=False):
         pipe.make_plan(run.sample_inputs)
     phases.start("init")                 # parameters, optimizer state, restore
-    variables = pipe.init(init_rng, run.sample_inputs)
+    variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
+                 else pipe.pack(layer_init.result()))
     planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
     if planned and jax.process_count() > 1:
         run, variables = _adopt_process_0_plan(run, config, init_rng, variables)
@@ -575,6 +578,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _init_layers_in_background(pipe, rng, sample_inputs) -> concurrent.futures.Future | None:
+    """`pipe.init_layers` on a second thread, started before planning: the layers'
+    initialiser needs no plan, and XLA compiles it (releasing the GIL) while the
+    planner traces and profiles the layers, on a core planning leaves idle. None where
+    `pipe.init` must do it (a split model: its splitter; a "model" axis: `init` also
+    learns which dimensions the layers split)."""
+    if pipe.splitter is not None or pipe.model > 1:
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layer-init")
+    future = pool.submit(lambda: jax.block_until_ready(pipe.init_layers(rng, sample_inputs)))
+    pool.shutdown(wait=False)   # the thread ends with its one task
+    return future
 
 
 def _adopt_process_0_plan(run: Run, config, init_rng, variables):

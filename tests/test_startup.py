@@ -1,6 +1,13 @@
 """Fast start: the on-disk profile cache, one cost analysis per distinct layer, jax's
-persistent compilation cache switch, the start-up phase clock, and the host-built
-weight-decay mask."""
+persistent compilation cache switch, the start-up phase clock, the host-built
+weight-decay mask, the layers initialised in one program while planning, and the
+script's CPU compile flags."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -45,6 +52,24 @@ def test_one_cost_analysis_per_distinct_layer_and_input(monkeypatch):
     assert len(calls) == 3
     assert costs[1].fwd_flops == costs[2].fwd_flops and costs[1].name != costs[2].name
     assert [c.name for c in costs] == ["Dense_0", "Dense_1", "Dense_2", "Dense_3"]
+
+
+def test_profile_compiles_on_a_thread_pool_with_the_same_costs(monkeypatch):
+    """The cost-analysis compiles run on `COMPILE_THREADS` background threads while the
+    next layer is traced; the costs equal those of compiling each in line."""
+    threads = []
+    real = costs_mod._compile
+    monkeypatch.setattr(costs_mod, "_compile", lambda lowered, run: threads.append(
+        threading.current_thread().name) or real(lowered, run))
+    layers = [Block(16), Block(12), Block(12), Dense(8)]
+    monkeypatch.setattr(costs_mod, "COMPILE_THREADS", 0)
+    in_line = profile(layers, X, cache_dir=None)
+    assert threads and not any(t.startswith("profile-compile") for t in threads)
+    threads.clear()
+    monkeypatch.setattr(costs_mod, "COMPILE_THREADS", 2)
+    pooled = profile(layers, X, cache_dir=None)
+    assert len(threads) == 8 and all(t.startswith("profile-compile") for t in threads)
+    assert [c.to_dict() for c in pooled] == [c.to_dict() for c in in_line]
 
 
 def test_profile_disk_cache_round_trip(tmp_path, monkeypatch):
@@ -94,7 +119,20 @@ def test_phases_move_compile_time_out_of_other_phases():
     assert phases.seconds["compile"] > 0 and set(phases.seconds) == {"init", "compile", "plan"}
     line = phases.summary()
     assert line.startswith("start-up: init") and "launch -> first step done" in line
+    assert "process CPU" in line
     assert float(line.rsplit(" ", 2)[-2]) >= 1.0
+
+
+def test_a_compile_on_another_thread_overlaps_the_phase():
+    phases = startup.Phases()
+    before = startup.compile_seconds()
+    with phases("init"):
+        t = threading.Thread(target=lambda: jax.jit(lambda x: x * 7 - 3).lower(
+            np.ones(9, np.float32)).compile())
+        t.start()
+        t.join()
+    assert startup.compile_seconds() > before               # counted in the totals
+    assert phases.seconds["compile"] == 0.0 and phases.seconds["init"] > 0
 
 
 def test_weight_decay_mask_from_shapes_matches_the_unpacked_parameters():
@@ -137,3 +175,89 @@ def test_split_model_piece_costs_cached_on_disk(tmp_path, monkeypatch):
     assert [c.fwd_flops for c in again] == [c.fwd_flops for c in first]
     assert [c.bwd_bytes for c in again] == [c.bwd_bytes for c in first]
     assert piece_mod.piece_costs(split, X)[0].fwd_flops > 0 and analysed   # no cache: analysed
+
+
+class Block(nn.Module):
+    """Parameters, batch statistics and dropout: every kind of variable init makes."""
+    features: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(self.features)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dropout(0.1, deterministic=not train)(nn.relu(x))
+
+
+BLOCKS = [Block(16), Block(12), Block(12), Dense(8)]
+
+
+def _assert_trees_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_layers_initialised_in_one_program_equal_one_by_one_init():
+    """`init_layers` (one program, forwards dropped) gives bit for bit what initialising
+    each layer on the previous one's output with key fold_in(rng, i) gives, and
+    `init` packs exactly that."""
+    from jaxhybrid.layers import init_layer
+    mesh = jh.make_mesh(data=2, pipe=2)
+    pipe = jp.Pipeline(BLOCKS, mesh=mesh, num_microbatches=2, boundaries=[2])
+    rng, x = jax.random.key(3), np.linspace(-1, 1, 8 * 16, dtype=np.float32).reshape(8, 16)
+    want, h = [], x[:1]
+    with jax.threefry_partitionable(False):
+        for i, layer in enumerate(BLOCKS):
+            v, h = jax.jit(lambda k, a, l=layer: init_layer(l, k, a, train=False))(
+                jax.random.fold_in(rng, i), h)
+            want.append(v)
+    _assert_trees_equal(pipe.init_layers(rng, x), want)
+    _assert_trees_equal(pipe.unpack(pipe.init(rng, x)), want)
+
+
+def test_train_initialises_the_layers_while_planning():
+    """The background initialiser train.py starts before planning packs to what
+    `pipe.init` returns; a split model (initialised by its splitter) gets none."""
+    mesh = jh.make_mesh(data=2, pipe=2)
+    rng, x = jax.random.key(5), np.ones((8, 16), np.float32)
+    pipe = jp.Pipeline(BLOCKS, mesh=mesh, num_microbatches=2)   # planner's boundaries
+    future = train._init_layers_in_background(pipe, rng, x)
+    pipe.make_plan(x)
+    background = pipe.pack(future.result())
+    _assert_trees_equal(background, pipe.init(rng, x))
+    split = jp.Pipeline(Tower(), mesh=mesh, num_microbatches=2, sample_inputs=X)
+    assert train._init_layers_in_background(split, rng, X) is None
+
+
+_FLAGS_PROBE = """
+import json, os, runpy
+sim = runpy.run_path(os.path.join("scripts", "train.py"), run_name="probe")["_simulate_cpu_devices"]
+out = []
+for env in json.loads(os.environ["PROBE_CASES"]):
+    for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    sim()
+    out.append(os.environ.get("XLA_FLAGS", ""))
+print(json.dumps(out))
+"""
+
+
+def test_script_sets_the_cpu_compile_flags_without_overriding_the_users():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cases = [{"JAX_PLATFORMS": "cpu"},
+             {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"},
+             {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"},
+             {"JAX_PLATFORMS": "cuda"}]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PROBE_CASES": json.dumps(cases),
+           "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _FLAGS_PROBE], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpu, user, devices, gpu = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cpu.split() == ["--xla_force_host_platform_device_count=8",
+                           "--xla_cpu_use_fusion_emitters=false"]
+    assert user.split() == ["--xla_cpu_use_fusion_emitters=true",
+                            "--xla_force_host_platform_device_count=8"]
+    assert devices.split() == ["--xla_cpu_use_fusion_emitters=false"]
+    assert gpu == ""

@@ -345,7 +345,15 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
     return out
 
 
+# Threads that compile the profiled layers' programs (cost analysis only, nothing runs):
+# XLA releases the GIL, so one layer compiles while the next is traced, and two compiles
+# share the cores that one compile's serial passes leave idle. 0: compile in line.
+COMPILE_THREADS = 2
+
+
 def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks) -> list[LayerCost]:
+    import concurrent.futures
+
     import jax
 
     from jaxhybrid.layers import init_layer, layer_rng
@@ -355,31 +363,48 @@ def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks)
     batch = int(np.shape(jax.tree.leaves(x)[0])[0])
     if not measure:   # shapes suffice: nothing is initialised or run
         x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+    # Measured times need the host to themselves: compile in the background only when
+    # nothing is timed.
+    pool = None if measure or COMPILE_THREADS < 1 else concurrent.futures.ThreadPoolExecutor(
+        COMPILE_THREADS, thread_name_prefix="profile-compile")
     seen: dict = {}
-    out: list[LayerCost] = []
-    for i, layer in enumerate(layers):
-        init = functools.partial(init_layer, layer, train=train)
-        if variables is not None:
-            lvars = dict(variables[i])
-            if not measure:
-                lvars = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), lvars)
-        elif measure:
-            lvars, _ = jax.jit(init)(jax.random.fold_in(init_key, i), x)
-        else:
-            lvars, _ = jax.eval_shape(init, jax.random.fold_in(init_key, i), x)
-        sig = (layer_signature(layer), _avals_text(x), _avals_text(lvars), i > 0)
-        if measure or sig not in seen:
-            seen[sig] = _layer_cost(layer, lvars, x, layer_rng(drop_key, 0, i), i > 0,
-                                    train=train, measure=measure, timing=timing, peaks=peaks)
-        fields, y = seen[sig]
-        out.append(LayerCost(name=names[i], batch_size=batch, measured=bool(measure), **fields))
-        x = y
-    return out
+    per_layer = []
+    try:
+        for i, layer in enumerate(layers):
+            init = functools.partial(init_layer, layer, train=train)
+            if variables is not None:
+                lvars = dict(variables[i])
+                if not measure:
+                    lvars = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), lvars)
+            elif measure:
+                lvars, _ = jax.jit(init)(jax.random.fold_in(init_key, i), x)
+            else:
+                lvars, _ = jax.eval_shape(init, jax.random.fold_in(init_key, i), x)
+            sig = (layer_signature(layer), _avals_text(x), _avals_text(lvars), i > 0)
+            if measure or sig not in seen:
+                seen[sig] = _layer_cost(layer, lvars, x, layer_rng(drop_key, 0, i), i > 0,
+                                        train=train, measure=measure, timing=timing,
+                                        peaks=peaks, pool=pool)
+            fields, y = seen[sig]
+            per_layer.append(fields)
+            x = y
+    except BaseException:
+        if pool is not None:   # what was not started is dropped
+            pool.shutdown(cancel_futures=True)
+        raise
+    if pool is not None:
+        pool.shutdown()
+    return [LayerCost(name=names[i], batch_size=batch, measured=bool(measure),
+                      **(f.result() if isinstance(f, concurrent.futures.Future) else f))
+            for i, f in enumerate(per_layer)]
 
 
-def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks):
+def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks,
+                pool=None):
     """(LayerCost fields but name/batch_size/measured, the layer's output) of one layer on
-    `x` with variables `lvars` (arrays when measuring, else ShapeDtypeStructs)."""
+    `x` with variables `lvars` (arrays when measuring, else ShapeDtypeStructs). With a
+    thread `pool`, the fields are a Future: the layer is traced and lowered here, its
+    programs compiled (for XLA's cost analysis) on the pool."""
     import jax
     import jax.numpy as jnp
 
@@ -392,8 +417,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     def fwd(v, xx):
         return apply_layer(layer, v, xx, train=train, rng=drop)
 
-    fwd_c = _compile(jax.jit(fwd).lower(lvars, x), measure)
-    fwd_flops, fwd_bytes = _xla_cost(fwd_c)
+    fwd_lowered = jax.jit(fwd).lower(lvars, x)
+    fwd_c = _compile(fwd_lowered, True) if measure else None
     y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
 
     forward_vjp, xf, x_leaves, saved = _forward_vjp(layer, x, drop, diff_inputs, train)
@@ -401,31 +426,41 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals.
     yf, vjp_fn = (jax.jit(forward_vjp) if measure else functools.partial(jax.eval_shape, forward_vjp))(
         params, xf, state, x_leaves)
-    bwd_flops = bwd_bytes = bwd_time = 0.0
-    bwd_temp = 0
+    bwd_lowered = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
-        bwd_c = _compile(jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct), measure)
-        bwd_flops, bwd_bytes = _xla_cost(bwd_c)
-        bwd_temp = _temp_bytes(bwd_c)
+        bwd_lowered = jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct)
+    shapes = dict(param_bytes=_nbytes(params), param_count=_count(params),
+                  in_bytes=_nbytes(x), out_bytes=_nbytes(y),
+                  saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
+                  state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
+                  **model_terms(layer, x, drop, diff_inputs, train=train,
+                                saved_bytes=int(saved.get("bytes", 0))))
+
+    def compiled_costs() -> dict:
+        fwd_flops, fwd_bytes = _xla_cost(fwd_c or _compile(fwd_lowered, False))
+        bwd_flops = bwd_bytes = bwd_time = 0.0
+        bwd_temp = 0
+        if bwd_lowered is not None:
+            bwd_c = _compile(bwd_lowered, measure)
+            bwd_flops, bwd_bytes = _xla_cost(bwd_c)
+            bwd_temp = _temp_bytes(bwd_c)
+            if measure:
+                # Never below the roofline: the no-op's overhead, subtracted, can exceed a
+                # small layer's noisy measurement.
+                bwd_time = max(_timed(bwd_c, (vjp_fn, ct), *timing),
+                               roofline_time(bwd_flops, bwd_bytes, *peaks))
         if measure:
-            # Never below the roofline: the no-op's overhead, subtracted, can exceed a
-            # small layer's noisy measurement.
-            bwd_time = max(_timed(bwd_c, (vjp_fn, ct), *timing),
-                           roofline_time(bwd_flops, bwd_bytes, *peaks))
-    if measure:
-        fwd_time = max(_timed(fwd_c, (lvars, x), *timing), roofline_time(fwd_flops, fwd_bytes, *peaks))
-    else:
-        fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
-        bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
-    return dict(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_bytes=fwd_bytes,
-                bwd_bytes=bwd_bytes, param_bytes=_nbytes(params), param_count=_count(params),
-                in_bytes=_nbytes(x), out_bytes=_nbytes(y), saved_bytes=int(saved.get("bytes", 0)),
-                saved_bytes_remat=_nbytes(x), fwd_time=fwd_time, bwd_time=bwd_time,
-                state_bytes=_nbytes(state), bwd_temp_bytes=bwd_temp,
-                saved_by_dtype=dict(saved.get("by_dtype", {})),
-                **model_terms(layer, x, drop, diff_inputs, train=train,
-                              saved_bytes=int(saved.get("bytes", 0)))), y
+            fwd_time = max(_timed(fwd_c, (lvars, x), *timing),
+                           roofline_time(fwd_flops, fwd_bytes, *peaks))
+        else:
+            fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
+            bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
+        return dict(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_bytes=fwd_bytes,
+                    bwd_bytes=bwd_bytes, fwd_time=fwd_time, bwd_time=bwd_time,
+                    bwd_temp_bytes=bwd_temp, **shapes)
+
+    return (compiled_costs() if pool is None else pool.submit(compiled_costs)), y
 
 
 def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
