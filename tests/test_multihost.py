@@ -44,7 +44,10 @@ def overrides(layout=(2, 4)):
             **LAYOUTS[layout], "train.batch_size": 16, "train.steps": 1000,
             "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 0,
             "train.eval_steps": 1, "data.options.max_bytes": 40_000, "checkpoint.every": 2,
-            "checkpoint.keep": 5}
+            # Keep every checkpoint: the resumed run trains on while the test waits for the
+            # first run to end, and with a fast start it is past step 4 + 2 * keep by then
+            # (with keep=5 its step-4 checkpoint was gone and the test waited 900 s).
+            "checkpoint.keep": 10_000}
 
 
 def losses(workdir):

@@ -119,16 +119,22 @@ def test_update_tasks_equal_value_and_grad_then_optax(schedule, data, pipe_size)
 
 
 def _stack_step(model: str, schedule: str = "zb-h1", width: int = 16, M: int = 4):
-    """(the jitted step, its args, the split layouts it ran with) of a 4-layer stack of
-    bench_model `model` (tanh: Dense+tanh, mlp: residual Dense+relu) on 2 stages."""
-    from jaxhybrid.bench.pipeline_bench import bench_model, pipeline_step
+    """(the jitted step, its args, the split layouts it ran with) of 3 blocks and a head
+    (tanh: Dense+tanh, mlp: residual Dense+relu) on 2 stages, 4 examples a microbatch.
+    (Built here: importing the bench module would define its absl flags twice.)"""
+    from jaxhybrid.bench.mlp import Block, Head, xent
     from jaxhybrid.models.spec import init_layers
-    stack, loss_fn, make_batch = bench_model(model, width=width, blocks=3)
-    per_layer = init_layers(stack, jax.random.key(0), make_batch(1)[0])
-    step, args, pipe = pipeline_step(stack, loss_fn, per_layer, make_batch(4 * M), data=1,
-                                     pipe=2, M=M, schedule=schedule)
-    jax.block_until_ready(step(*args))
-    return step, args, next(v for k, v in pipe._cache.items() if k[0] == "layouts")
+    block = Block(width, "tanh", residual=False) if model == "tanh" else Block(width)
+    stack = [block.clone() for _ in range(3)] + [Head()]
+    r = np.random.default_rng(0)
+    x = r.standard_normal((4 * M, width), np.float32)
+    y = r.integers(0, 10, 4 * M).astype(np.int32)
+    pipe = jp.Pipeline(stack, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=M,
+                       schedule=schedule, boundaries=[2], remat="none")
+    variables = pipe.pack(init_layers(stack, jax.random.key(0), x[:1]))
+    step = pipe.value_and_grad(xent)
+    jax.block_until_ready(step(variables, x, y))
+    return step, (variables, x, y), next(v for k, v in pipe._cache.items() if k[0] == "layouts")
 
 
 def test_split_backward_hands_w_its_cotangents_in_the_stash_space_b_frees():
