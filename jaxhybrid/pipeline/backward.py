@@ -108,10 +108,10 @@ class SplitBackward:
         self.crossing_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in crossing]
         # Which residual leaves W reads: the others are dead once B has run, so their
         # stash space can hold the crossing values (`packing.place_in_free_space`).
-        reads = lambda eqns, outs: {v for e in eqns for v in e.invars
-                                    if not isinstance(v, jcore.Literal)} | set(outs)
-        w_reads = reads(self._w_eqns, self._gp_out)
-        b_reads = reads(self._b_eqns, self._gx_out)
+        read_by = lambda eqns, outs: {v for e in eqns for v in e.invars
+                                      if not isinstance(v, jcore.Literal)} | set(outs)
+        w_reads = read_by(self._w_eqns, self._gp_out)
+        b_reads = read_by(self._b_eqns, self._gx_out)
         res_vars = self._invars[n_p:n_p + len(res_avals)]
         self.weight_reads_residual = tuple(v in w_reads for v in res_vars)
         # Residuals neither half reads (jax.vjp keeps some a backward never uses, e.g. a
@@ -130,8 +130,7 @@ class SplitBackward:
         return [_read(env, v) for v in self._gx_out], [env[v] for v in self._crossing]
 
     def weight_half(self, p, res: list, crossing: list) -> list:
-        env = dict(self._consts)
-        env.update(zip(self._invars, [*jax.tree.leaves(p), *res]))
+        env = self._env(p, res, [])   # no cotangent inputs: W's come as crossing values
         env.update(zip(self._crossing, crossing))
         _run(self._w_eqns, env)
         return [_read(env, v) for v in self._gp_out]

@@ -78,8 +78,8 @@ class StageLayouts:
     stage's SplitBackward (split schedules). What a split B hands to W (the crossing
     values) goes into the stash row's space that only B read (`in_row[k]`: its Layout
     over the stash buffers and which crossing values it holds); the rest into the cross
-    ring (cross[k], `overflow[k]`), so zero-bubble costs no stash beyond 1F1B's when B's
-    dead residuals are as big as W's inputs (a Dense layer's activation output and mask)."""
+    ring (cross[k], `overflow[k]`), so zero-bubble costs no stash beyond 1F1B's when the
+    residuals only B reads are as big as what W needs (a Dense+tanh layer's output)."""
     act: list
     grad: list
     res: list
