@@ -10,7 +10,7 @@ import pytest
 
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
-from jaxhybrid.pipeline import backward, runtime, tables
+from jaxhybrid.pipeline import backward, packing, runtime, tables
 from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.schedules import TaskType, make_schedule
 
@@ -138,19 +138,52 @@ def _stack_step(model: str, schedule: str = "zb-h1", width: int = 16, M: int = 4
 
 
 def test_split_backward_hands_w_its_cotangents_in_the_stash_space_b_frees():
-    # Dense+tanh: B reads tanh's output (for 1 - y^2), W reads the layer input and B's
-    # pre-activation cotangent. The cotangents go where tanh's outputs were (zero-bubble
-    # at 1F1B's stash), and what neither half reads is not stashed. Stage 0's B has no
-    # input gradient to compute, so its W reads the output gradient itself: B hands it
-    # over in the cross ring, and the gradient inbox is free after B, as in 1F1B.
+    # Stage 1 = Dense+tanh and the head: W reads the layer inputs; B alone reads the loss's
+    # residuals (softmax and labels), whose space (with the row's padding) takes B's
+    # cotangents for W where they fit; the rest goes to the cross ring. What neither half
+    # reads is not stashed. Stage 0's B has no input gradient to compute, so its W reads
+    # the output gradient itself: B hands it over in the cross ring, and the gradient
+    # inbox is free after B, as in 1F1B.
     _, _, lay = _stack_step("tanh")
-    assert lay.overflow[1] == [] and lay.split[1].crossing_avals
-    assert not all(lay.split[1].weight_reads_residual)
+    sb = lay.split[1]
+    assert not all(sb.weight_reads_residual)
+    placed = [i for i in range(len(sb.crossing_avals)) if i not in lay.overflow[1]]
+    assert placed and lay.overflow[1]
+    row = sum(n for key, n in lay.res_len.items() if packing.dtype_of(key) == "float32")
+    w_reads = sum(int(np.prod(s)) for s, w, d in zip(lay.res[1].shapes, sb.weight_reads_residual,
+                                                     lay.res[1].dtypes) if w and d == "float32")
+    assert sum(int(np.prod(sb.crossing_avals[i].shape)) for i in placed) <= row - w_reads
     assert lay.overflow[0] == [0] and len(lay.split[0].crossing_avals) == 1
     for k, sb in enumerate(lay.split):
         assert len(lay.res[k].shapes) == sum(sb.reads_residual)
     assert make_schedule("zb-h1", 4, 16).ring_slots()[1]["grad"] == \
         make_schedule("1f1b", 4, 16).ring_slots()[1]["grad"]
+
+
+def test_residuals_the_backward_can_recompute_cheaply_are_not_stashed():
+    # jax's tanh rule keeps y and 1 - y; a layer's output is also the next one's input.
+    # Stage 0 (two Dense+tanh) stashes its input and the two outputs, nothing else.
+    _, _, lay = _stack_step("tanh", schedule="1f1b")
+    assert lay.res[0].shapes == ((4, 16),) * 3
+    assert lay.residuals.derived[0].num_recomputed == 2
+
+
+def test_derivation_recomputes_only_cheap_functions_of_stashed_values():
+    # Leaves: x (an input), t = tanh(x @ w), 1 - t, t again, exp(t), a broadcast of the
+    # parameter b, and x > 0. Stashed: x, t, exp(t) (transcendental), b's broadcast (a
+    # parameter is no root: asynchronous backwards may see other weights); the rest is
+    # recomputed, bit for bit.
+    def fwd(w, b, x):
+        t = jnp.tanh(x @ w)
+        return [x, t, 1 - t, t, jnp.exp(t), jnp.broadcast_to(b, x.shape), x > 0]
+    args = (np.ones((3, 3), np.float32) / 3, np.arange(3, dtype=np.float32),
+            np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
+    closed = jax.make_jaxpr(fwd)(*args)
+    d = backward.Derivation.of(closed, closed.jaxpr.outvars)
+    assert d.stash == (0, 1, 4, 5) and d.num_recomputed == 3
+    want = fwd(*args)
+    for a, b in zip(d.restore([want[i] for i in d.stash]), want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_split_backward_spills_cotangents_that_do_not_fit_to_the_cross_ring():

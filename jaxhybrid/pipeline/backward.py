@@ -26,22 +26,107 @@ class Residuals:
 
     `jax.vjp` returns a pytree (a Partial) whose leaves are the residuals. Leaves that are
     the very parameter arrays passed in are not stashed. The structure is recorded per
-    stage when its forward is traced and reused when its backward is traced."""
+    stage when its forward is traced and reused when its backward is traced. Once a
+    stage's `Derivation` is registered (`derive`), `split` returns only the leaves it
+    stashes and `rebuild` recomputes the others."""
 
     def __init__(self):
         self.meta: dict = {}
+        self.derived: dict = {}
 
     def split(self, stage: int, vjp_fn, params: PyTree) -> list:
         leaves, treedef = jax.tree.flatten(vjp_fn)
         where = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
         kinds = tuple(where.get(id(l)) for l in leaves)
         self.meta[stage] = (treedef, kinds)
-        return [l for l, k in zip(leaves, kinds) if k is None]
+        kept = [l for l, k in zip(leaves, kinds) if k is None]
+        d = self.derived.get(stage)
+        return kept if d is None else [kept[i] for i in d.stash]
 
     def rebuild(self, stage: int, kept: Sequence, params: PyTree):
+        if stage in self.derived:
+            kept = self.derived[stage].restore(kept)
         treedef, kinds = self.meta[stage]
         p, it = jax.tree.leaves(params), iter(kept)
         return jax.tree.unflatten(treedef, [p[k] if k is not None else next(it) for k in kinds])
+
+    def derive(self, stage: int, closed, leaves: list) -> "Derivation":
+        """Registers which of the stage's kept residuals to stash, from `closed`, the jaxpr
+        of its forward, and `leaves`, its variables holding them (see `Derivation`)."""
+        self.derived[stage] = Derivation.of(closed, leaves)
+        return self.derived[stage]
+
+
+# Primitives whose outputs the backward recomputes instead of reading from the stash when
+# their inputs are stashed anyway: elementwise arithmetic and shape changes, each far
+# cheaper than writing a row and reading it back (no transcendental, reduction, random
+# number or collective). jax's tanh rule, for one, keeps both y and 1 - y.
+CHEAP_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square", "integer_pow",
+    "select_n", "convert_element_type", "eq", "ne", "gt", "ge", "lt", "le", "and", "or",
+    "not", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+class Derivation:
+    """Which residual leaves of a stage are stashed, and how the backward recomputes the
+    others from them: a leaf that another leaf duplicates, or that follows from stashed
+    leaves and constants by `CHEAP_PRIMITIVES` alone, is not stashed. Parameters are not
+    roots: under asynchronous weights the backward's parameters may differ from the
+    forward's, so a residual computed from them keeps the forward's value in the stash."""
+
+    def __init__(self, stash: tuple, leaf_vars: list, eqns: list, consts: dict):
+        self.stash = stash                 # indices of the stashed leaves, in leaf order
+        self._leaf_vars, self._eqns, self._consts = leaf_vars, eqns, consts
+
+    @classmethod
+    def of(cls, closed, leaves: list) -> "Derivation":
+        jaxpr = closed.jaxpr
+        index = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+        made = lambda v: -1 if isinstance(v, jcore.Literal) else index.get(v, -1)
+        known = set(jaxpr.constvars)       # what the backward has: consts, stashed and
+        stash, recompute = [], set()       # recomputed values
+        for i in sorted(range(len(leaves)), key=lambda i: made(leaves[i])):
+            v = leaves[i]
+            if isinstance(v, jcore.Literal) or v in known:
+                continue
+            chain = _cheap_chain(jaxpr.eqns, index, v, known)
+            if chain is None:
+                stash.append(i)
+            else:
+                recompute |= chain
+                known.update(u for j in chain for u in jaxpr.eqns[j].outvars)
+            known.add(v)
+        eqns = [jaxpr.eqns[j] for j in sorted(recompute)]
+        return cls(tuple(sorted(stash)), list(leaves), eqns,
+                   dict(zip(jaxpr.constvars, closed.consts)))
+
+    @property
+    def num_recomputed(self) -> int:
+        return len(self._leaf_vars) - len(self.stash)
+
+    def restore(self, stashed: Sequence) -> list:
+        """All kept residual leaves from the stashed ones."""
+        env = dict(self._consts)
+        env.update((self._leaf_vars[i], v) for i, v in zip(self.stash, stashed))
+        _run(self._eqns, env)
+        return [_read(env, v) for v in self._leaf_vars]
+
+
+def _cheap_chain(eqns, index: dict, v, known: set):
+    """Indices of the equations that compute `v` from `known` values and literals by cheap
+    primitives only, or None if some input needs anything else."""
+    chain, stack = set(), [v]
+    while stack:
+        u = stack.pop()
+        if isinstance(u, jcore.Literal) or u in known:
+            continue
+        i = index.get(u)
+        if i is None or eqns[i].primitive.name not in CHEAP_PRIMITIVES:
+            return None
+        if i not in chain:
+            chain.add(i)
+            stack.extend(eqns[i].invars)
+    return chain
 
 
 def _read(env: dict, v):

@@ -221,8 +221,12 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
                                              loss_fn, eng.num_microbatches, train, residuals)
             return out, kept, yi
 
-        out, kept, _ = tensor_parallel.eval_shape(run, stage.abstract_params, stage.abstract_state, x,
-                                      mb_targets, rng, gmb)
+        closed, (out, kept, _) = tensor_parallel.make_jaxpr(run, return_shape=True)(
+            stage.abstract_params, stage.abstract_state, x, mb_targets, rng, gmb)
+        # Residuals the backward can recompute cheaply from the others are not stashed.
+        n_out = len(jax.tree.leaves(out))
+        d = residuals.derive(k, closed, closed.jaxpr.outvars[n_out:n_out + len(kept)])
+        kept = [kept[i] for i in d.stash]
         if split:
             ct = [jax.ShapeDtypeStruct((), jnp.float32)] if last else _floats(out)
             sb = SplitBackward(_backward_fn(residuals, k, last), stage.abstract_params, kept, ct,

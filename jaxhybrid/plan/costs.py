@@ -13,8 +13,10 @@ first layer's inputs are the model inputs, whose gradient no one needs, so layer
 differentiated w.r.t. its params only.
 
 Memory kept for backward, per microbatch:
-  saved_bytes        the vjp residuals that are not parameters (or other variables): what a
-                     stage stashes per in-flight microbatch without recomputation;
+  saved_bytes        the vjp residuals that are not parameters (or other variables), less
+                     those the backward recomputes cheaply from the others
+                     (`pipeline.backward.Derivation`): what a stage stashes per in-flight
+                     microbatch without recomputation;
   saved_bytes_remat  the layer's input bytes: all `jax.checkpoint` keeps, the rest is
                      recomputed by an extra forward in the backward pass.
 Both equal the output bytes that XLA's `memory_analysis()` reports for a compiled function
@@ -220,7 +222,8 @@ def _wall(fn, args, repeats: int, reduce: str) -> float:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 4   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype
+COST_FORMAT = 5   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+#                   5: residuals the backward recomputes cheaply are not counted
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -423,9 +426,13 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
 
     forward_vjp, xf, x_leaves, saved = _forward_vjp(layer, x, drop, diff_inputs, train)
 
-    # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals.
-    yf, vjp_fn = (jax.jit(forward_vjp) if measure else functools.partial(jax.eval_shape, forward_vjp))(
+    # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals, of
+    # which the engine stashes what its backward cannot recompute cheaply.
+    closed, (yf, vjp_fn) = jax.make_jaxpr(forward_vjp, return_shape=True)(
         params, xf, state, x_leaves)
+    if measure:
+        yf, vjp_fn = jax.jit(forward_vjp)(params, xf, state, x_leaves)
+    saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), saved["kept"])
     bwd_lowered = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
@@ -463,10 +470,27 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     return (compiled_costs() if pool is None else pool.submit(compiled_costs)), y
 
 
+def _stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
+    """{"bytes", "by_dtype"} of the residuals the engine stashes, from the jaxpr of
+    forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
+    indices of its kept (non-variable) leaves: `backward.Derivation` drops those the
+    backward recomputes cheaply from the others, as the pipeline runtime does."""
+    from jaxhybrid.pipeline.backward import Derivation
+
+    out = closed.jaxpr.outvars
+    leaves = [out[num_outputs + i] for i in kept]
+    stashed = [leaves[i].aval for i in Derivation.of(closed, leaves).stash]
+    by_dtype: dict = {}
+    for a in stashed:
+        by_dtype[np.dtype(a.dtype).name] = by_dtype.get(np.dtype(a.dtype).name, 0) + _nbytes(a)
+    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype}
+
+
 def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
     """(forward_vjp(params, float inputs, state, input leaves) -> (float outputs, vjp fn),
-    the float inputs, the input leaves, {"bytes": residual bytes} filled when it is
-    traced). Gradients w.r.t. params and, if `diff_inputs`, the float inputs."""
+    the float inputs, the input leaves, {"kept": indices of the vjp function's leaves
+    that are residuals, not variables} filled when it is traced). Gradients w.r.t.
+    params and, if `diff_inputs`, the float inputs."""
     import jax
 
     from jaxhybrid.layers import apply_layer
@@ -491,12 +515,8 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
         # Traced, so parameter/state leaves are tracers and can be told apart from
         # true residuals by identity.
         known = jax.tree.leaves((p, st))
-        kept = [l for l in jax.tree.leaves(vjp_fn) if not any(l is q for q in known)]
-        saved["bytes"] = sum(_nbytes(l) for l in kept)
-        by_dtype = saved.setdefault("by_dtype", {})
-        for l in kept:
-            d = np.dtype(l.dtype).name
-            by_dtype[d] = by_dtype.get(d, 0) + _nbytes(l)
+        saved["kept"] = [i for i, l in enumerate(jax.tree.leaves(vjp_fn))
+                         if not any(l is q for q in known)]
         return yf, vjp_fn
 
     return forward_vjp, [x_leaves[k] for k in fidx], x_leaves, saved

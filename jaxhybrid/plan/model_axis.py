@@ -69,7 +69,7 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
     from jaxhybrid import tensor_parallel
     from jaxhybrid.layers import init_layer
     from jaxhybrid.models.spec import _jaxpr_flops
-    from jaxhybrid.plan.costs import _forward_vjp
+    from jaxhybrid.plan.costs import _forward_vjp, _stashed_bytes
 
     lvars = tensor_parallel.eval_shape(
         lambda k, xx: init_layer(layer, k, xx, train=train)[0], jax.random.key(0), x)
@@ -81,7 +81,8 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
     bwd = (0.0, 0)
     if yf:
         bwd = _collectives(tensor_parallel.make_jaxpr(lambda vf, c: vf(c))(vjp_fn, yf).jaxpr)
-    return float(saved.get("bytes", 0)), _jaxpr_flops(fwd.jaxpr), _collectives(fwd.jaxpr), bwd
+    stashed = _stashed_bytes(fwd, len(jax.tree.leaves(yf)), saved["kept"])["bytes"]
+    return float(stashed), _jaxpr_flops(fwd.jaxpr), _collectives(fwd.jaxpr), bwd
 
 
 def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: int) -> dict:
