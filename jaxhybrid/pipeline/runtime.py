@@ -124,6 +124,10 @@ class Carry:
     change stay a loop invariant, which XLA does not copy from tick to tick)."""
     act_in: dict
     grad_in: dict
+    # What this device sent last (an idle slot leaves it as it is rather than zero-filling
+    # a new buffer: with one task per tick most slots of a kind are idle).
+    act_out: dict
+    grad_out: dict
     stash: dict
     cross: dict
     acc: dict
@@ -378,7 +382,7 @@ class Device:
 def _forward_slot(job: Job, dev: Device, c: Carry, row):
     k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
 
-    def busy(stash, state, loss, versions):
+    def busy(stash, state, loss, versions, act_out):
         weights, versions = async_weights.forward_weights(job.weights, dev.params_of(c),
                                                           versions, c.opt_state, row)
         act, res, state, l = lax.switch(
@@ -387,21 +391,21 @@ def _forward_slot(job: Job, dev: Device, c: Carry, row):
             dev.d * job.eng.num_microbatches + m, dev.rng)
         return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l, versions
 
-    def idle(stash, state, loss, versions):
-        return packing.zeros(job.lay.act_len), stash, state, loss, versions
+    def idle(stash, state, loss, versions, act_out):
+        return act_out, stash, state, loss, versions
 
     # An idle slot neither runs a stage nor touches the stash: with one task per tick
     # (zero-bubble tables) most slots of a kind are idle. (The ring may go through the
     # cond: XLA CPU writes its row in place there.)
     act, stash, state, loss, versions = lax.cond(k >= 0, busy, idle, c.stash, c.state, c.loss,
-                                                 c.versions)
-    return c.replace(stash=stash, state=state, loss=loss, versions=versions), act
+                                                 c.versions, c.act_out)
+    return c.replace(act_out=act, stash=stash, state=state, loss=loss, versions=versions)
 
 
 def _backward_slot(job: Job, dev: Device, c: Carry, row):
     k = row[COL["b_stage"]]
 
-    def busy(acc, stash, cross_buf, grad_in):
+    def busy(acc, stash, cross_buf, grad_in, grad_out):
         weights = async_weights.backward_weights(job.weights, dev.params_of(c), c.versions,
                                                  c.opt_state, row)
         g_out, g_p, cross, res = lax.switch(jnp.maximum(k, 0), dev.branches["B"], weights,
@@ -414,14 +418,15 @@ def _backward_slot(job: Job, dev: Device, c: Carry, row):
         return (g_out, acc, _set_row(stash, row[COL["b_stash"]], res),
                 _set_row(cross_buf, row[COL["b_cross"]], cross))
 
-    def idle(acc, stash, cross_buf, grad_in):
-        return packing.zeros(job.lay.grad_len), acc, stash, cross_buf
+    def idle(acc, stash, cross_buf, grad_in, grad_out):
+        return grad_out, acc, stash, cross_buf
 
     # An idle slot skips the backward and the gradient add altogether (a cond around
     # switch + add was ~15% faster per step on XLA CPU than adding a zero gradient), and
     # reads no row (a slice outside the cond is a copy every tick, busy or not).
-    g_out, acc, stash, cross = lax.cond(k >= 0, busy, idle, c.acc, c.stash, c.cross, c.grad_in)
-    return c.replace(acc=acc, stash=stash, cross=cross), g_out
+    g_out, acc, stash, cross = lax.cond(k >= 0, busy, idle, c.acc, c.stash, c.cross, c.grad_in,
+                                        c.grad_out)
+    return c.replace(grad_out=g_out, acc=acc, stash=stash, cross=cross)
 
 
 def _weight_slot(job: Job, dev: Device, c: Carry, row):
@@ -481,9 +486,9 @@ def tick(c: Carry, t, *, job: Job, dev: Device, kinds) -> tuple[Carry, None]:
     row = lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(dev.table, t, keepdims=False),
                                    dev.s, keepdims=False)
     if TaskType.F in kinds:
-        c, act = _forward_slot(job, dev, c, row)
+        c = _forward_slot(job, dev, c, row)
     if TaskType.B in kinds:
-        c, g_out = _backward_slot(job, dev, c, row)
+        c = _backward_slot(job, dev, c, row)
     if TaskType.W in kinds:
         c = _weight_slot(job, dev, c, row)
     if TaskType.U in kinds:
@@ -492,11 +497,11 @@ def tick(c: Carry, t, *, job: Job, dev: Device, kinds) -> tuple[Carry, None]:
         table, t, keepdims=False), dev.s, keepdims=False)[i]
     if TaskType.F in kinds:
         for i, ch in enumerate(dev.ctl.act_channels):
-            c = c.replace(act_in=_send(act, ch, c.act_in, recv(dev.act_recv, i),
+            c = c.replace(act_in=_send(c.act_out, ch, c.act_in, recv(dev.act_recv, i),
                                        dev.act_send[t, i]))
     if TaskType.B in kinds:
         for i, ch in enumerate(dev.ctl.grad_channels):
-            c = c.replace(grad_in=_send(g_out, ch, c.grad_in, recv(dev.grad_recv, i),
+            c = c.replace(grad_in=_send(c.grad_out, ch, c.grad_in, recv(dev.grad_recv, i),
                                         dev.grad_send[t, i]))
     return c, None
 
@@ -532,6 +537,7 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                      jnp.asarray(ctl.grad_send), jnp.asarray(ctl.update_tick))
         c = Carry(act_in=packing.zeros(lay.act_len, (sizes["act"] + 1,)),
                   grad_in=packing.zeros(lay.grad_len, (sizes["grad"] + 1,)),
+                  act_out=packing.zeros(lay.act_len), grad_out=packing.zeros(lay.grad_len),
                   # Stashes are written only by busy slots: no dummy row (inboxes take a
                   # transfer every tick, so theirs absorbs what no one is sent).
                   stash=packing.zeros(lay.res_len, (sizes["stash"],)),
