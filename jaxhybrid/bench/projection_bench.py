@@ -39,8 +39,11 @@ runs after a warm-up, with the planner's boundaries (the ones the model assumes)
 runs go round robin over all rows (and over all calibration runs): a burst of load from
 other processes slows every row a little rather than one row a lot.
 Rows: data x pipe x M; predicted (compute, engine, all-reduce parts) and measured ms,
-relative error, and the same without the engine terms; then the mean absolute relative
-error and the rank correlation of predicted vs measured.
+relative error, the same without the engine terms, and the noise of the measurement
+(the validation steps are timed in two passes of --runs rounds each; the row's measured
+time is their minimum, or with --reduce=median their mean; noise = |pass 1 / pass 2 - 1|);
+then the mean absolute relative error, the rank correlation of predicted vs measured and
+the mean and worst noise: an error below the noise says nothing about the model.
 
 Timings on a shared machine are noisy (other processes take cores); the figures are
 a check of the model's structure (bubbles, ticks, serialisation, engine overheads),
@@ -355,8 +358,12 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
                          predicted=est.step_time, compute=est.compute_time,
                          engine=est.engine_time, allreduce=est.allreduce_time,
                          compute_only=bare.step_time))
-    for r, t in zip(rows, time_steps(steps, runs, reduce)):
-        r.update(measured=t, rel_error=r["predicted"] / t - 1.0)
+    # Two passes of `runs` rounds each: what they disagree by is the noise of the measured
+    # steps themselves (other processes on the host), below which no error is meaningful.
+    first, second = time_steps(steps, runs, reduce), time_steps(steps, runs, reduce)
+    for r, a, b in zip(rows, first, second):
+        t = min(a, b) if reduce == "min" else (a + b) / 2
+        r.update(measured=t, rel_error=r["predicted"] / t - 1.0, pass_spread=abs(a / b - 1.0))
     return rows
 
 
@@ -369,8 +376,10 @@ def rank_correlation(a, b) -> float:
 def summary(rows) -> dict:
     err = np.array([r["rel_error"] for r in rows])
     bare = np.array([r["compute_only"] / r["measured"] - 1 for r in rows])
+    spread = np.array([r.get("pass_spread", np.nan) for r in rows])
     return dict(mean_abs_rel_error=float(np.abs(err).mean()),
                 max_abs_rel_error=float(np.abs(err).max()),
+                mean_pass_spread=float(spread.mean()), max_pass_spread=float(spread.max()),
                 compute_only_mean_abs_rel_error=float(np.abs(bare).mean()),
                 rank_correlation=rank_correlation([r["predicted"] for r in rows],
                                                   [r["measured"] for r in rows]))
@@ -378,12 +387,14 @@ def summary(rows) -> dict:
 
 def print_rows(rows) -> None:
     print(f"{'data x pipe x M':>15} {'bubble':>7} {'compute':>8} {'engine':>8} {'allred':>7} "
-          f"{'predicted':>9} {'measured':>9} {'error':>7} | {'no-engine':>9} {'error':>7}")
+          f"{'predicted':>9} {'measured':>9} {'error':>7} | {'no-engine':>9} {'error':>7} "
+          f"{'noise':>6}")
     for r in rows:
         print(f"{r['config']:>15} {r['bubble']:>7.3f} {r['compute'] * 1e3:>8.2f} "
               f"{r['engine'] * 1e3:>8.2f} {r['allreduce'] * 1e3:>7.2f} "
               f"{r['predicted'] * 1e3:>9.2f} {r['measured'] * 1e3:>9.2f} {r['rel_error']:>+7.0%} | "
-              f"{r['compute_only'] * 1e3:>9.2f} {r['compute_only'] / r['measured'] - 1:>+7.0%}")
+              f"{r['compute_only'] * 1e3:>9.2f} {r['compute_only'] / r['measured'] - 1:>+7.0%} "
+              f"{r.get('pass_spread', float('nan')):>6.0%}")
 
 
 def main(argv) -> None:
@@ -439,7 +450,9 @@ def main(argv) -> None:
     s = summary(rows)
     print(f"mean |error| {s['mean_abs_rel_error']:.1%} (max {s['max_abs_rel_error']:.1%}); "
           f"without the engine terms {s['compute_only_mean_abs_rel_error']:.1%}; rank "
-          f"correlation predicted vs measured {s['rank_correlation']:.2f}; "
+          f"correlation predicted vs measured {s['rank_correlation']:.2f}; measured steps' "
+          f"noise (two timing passes disagree by) mean {s['mean_pass_spread']:.1%}, max "
+          f"{s['max_pass_spread']:.1%}; "
           f"bench took {time.perf_counter() - t0:.0f} s")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
