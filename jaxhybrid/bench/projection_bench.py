@@ -3,6 +3,7 @@
     python scripts/bench.py projection [--val_configs=1x2x2,zb-h1:1x4x8@384,...] [--runs=7]
                                        [--calibration=auto|fit|stored] [--cache_dir=DIR]
                                        [--cal_configs=1x2x8@8,2x2x4@512/8,...] [--reduce=min]
+                                       [--profile_timing=alone|loop]
 
 The "hardware" is this host: 8 simulated CPU devices that share its cores. The model is
 `jaxhybrid.plan.hybrid.step_time` on `measured_device` with
@@ -94,6 +95,11 @@ flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
 flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the timed runs of one "
                   "configuration, and of each profiled layer, are summarised (min: steadier on a "
                   "busy machine).")
+flags.DEFINE_enum("profile_timing", "alone", ["alone", "loop"], "how each layer is timed "
+                  "(plan.profile's timing): alone, less a compiled no-op's call; or one "
+                  "application of many in a compiled loop, weights cycled through copies as "
+                  "large as the model. A stored calibration was fitted with one of them: use "
+                  "--calibration=fit when changing it.")
 flags.DEFINE_string("json_out", None, "also write the rows and the calibration as JSON here.")
 flags.DEFINE_enum("calibration", "auto", ["auto", "fit", "stored"], "auto: the stored fit of "
                   "this device kind if there is one, else fit and store; fit: fit anew and "
@@ -110,6 +116,7 @@ class Model:
     blocks: int
     reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
     profile_rounds: int = 3   # profiles per microbatch size, per layer the least (`costs`)
+    timing: str = "alone"     # how each layer is timed (profile's `timing`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -129,7 +136,7 @@ class Model:
         the slowest layer of the model."""
         if m not in self._costs:
             runs = [profile(self.layers, self.batch(m)[0], measure=True, repeats=repeats,
-                            variables=self.variables, reduce=self.reduce)
+                            variables=self.variables, reduce=self.reduce, timing=self.timing)
                     for _ in range(max(1, self.profile_rounds))]
             pick = min if self.reduce == "min" else statistics.median
             self._costs[m] = [dataclasses.replace(
@@ -293,7 +300,8 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     configs = [(sched or schedule, d, p, M, w, mb) for sched, d, p, M, w, mb in configs]
     cals = {cal.width: cal}
     for sched, data, pipe, M, width, mb in configs:
-        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds))
+        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds,
+                                         cal.timing))
         b = hybrid.step_time(m.costs, measured_device("host_cpu", mem_bandwidth=bw),
                              data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M * mb,
                              schedule=sched).boundaries
@@ -346,7 +354,8 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks, model.reduce, model.profile_rounds))
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce,
+                                           model.profile_rounds, model.timing))
         est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=batch,
@@ -419,8 +428,8 @@ def main(argv) -> None:
         load = (float("nan"),) * 3
     print(f"host: {n} x {jax.devices()[0].platform} devices, {os.cpu_count()} cores, load "
           f"average {load[0]:.2f} (timings are noisy when other processes use the cores)")
-    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce)
-    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce)
+    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce, timing=FLAGS.profile_timing)
+    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce, timing=FLAGS.profile_timing)
     from jaxhybrid import startup
     from jaxhybrid.plan import calibration
     cache_dir = FLAGS.cache_dir or startup.default_cache_dir()
