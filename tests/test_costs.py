@@ -144,8 +144,10 @@ def test_roofline_times_follow_the_peaks():
     np.testing.assert_allclose(layer_times(c), [x.fwd_time + x.bwd_time for x in c])
 
 
-def test_measure_gives_positive_times():
-    c = profile(LAYERS[2:4], np.ones((B, T, CONV), np.float32), measure=True, repeats=1)
+@pytest.mark.parametrize("timing", ["alone", "loop"])
+def test_measure_gives_positive_times(timing):
+    c = profile(LAYERS[2:4], np.ones((B, T, CONV), np.float32), measure=True, repeats=1,
+                timing=timing)
     assert all(x.measured and x.fwd_time > 0 and x.bwd_time > 0 for x in c)
 
 
@@ -173,6 +175,7 @@ def test_given_variables_and_names():
     ((LAYERS[:2], IDS), {"names": ["a"]}, "1 names for 2 layers"),
     ((LAYERS[:2], IDS), {"variables": [{}]}, "1 variable dicts for 2 layers"),
     ((LAYERS[:1], np.float32(1.0)), {}, "batch dimension"),
+    ((LAYERS[:1], IDS), {"timing": "scan"}, "use 'alone' or 'loop'"),
 ])
 def test_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -44,6 +44,7 @@ def test_prediction_and_measurement_agree_within_3x(setup):
         ratio = r["predicted"] / r["measured"]
         assert 1 / 3 < ratio < 3, (r["config"], r["predicted"], r["measured"])
         assert r["compute"] > 0 and r["engine"] >= 0 and r["bubble"] > 0
+        assert 0 <= r["pass_spread"] < 10   # the two timing passes of the measured step
     # Where the model predicts a >= 2x difference, the engine shows the same order.
     for a in rows:
         for b in rows:
@@ -51,6 +52,8 @@ def test_prediction_and_measurement_agree_within_3x(setup):
                 assert a["measured"] > b["measured"], (a["config"], b["config"])
     pred = {r["config"]: r["predicted"] for r in rows}
     assert pred["1x8x8"] > 2 * pred["1x2x2"]
+    s = pb.summary(rows)
+    assert s["max_pass_spread"] == max(r["pass_spread"] for r in rows)
 
 
 def test_model_orderings_without_timing():

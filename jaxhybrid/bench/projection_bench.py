@@ -3,6 +3,7 @@
     python scripts/bench.py projection [--val_configs=1x2x2,zb-h1:1x4x8@384,...] [--runs=7]
                                        [--calibration=auto|fit|stored] [--cache_dir=DIR]
                                        [--cal_configs=1x2x8@8,2x2x4@512/8,...] [--reduce=min]
+                                       [--profile_timing=alone|loop]
 
 The "hardware" is this host: 8 simulated CPU devices that share its cores. The model is
 `jaxhybrid.plan.hybrid.step_time` on `measured_device` with
@@ -39,8 +40,11 @@ runs after a warm-up, with the planner's boundaries (the ones the model assumes)
 runs go round robin over all rows (and over all calibration runs): a burst of load from
 other processes slows every row a little rather than one row a lot.
 Rows: data x pipe x M; predicted (compute, engine, all-reduce parts) and measured ms,
-relative error, and the same without the engine terms; then the mean absolute relative
-error and the rank correlation of predicted vs measured.
+relative error, the same without the engine terms, and the noise of the measurement
+(the validation steps are timed in two passes of --runs rounds each; the row's measured
+time is their minimum, or with --reduce=median their mean; noise = |pass 1 / pass 2 - 1|);
+then the mean absolute relative error, the rank correlation of predicted vs measured and
+the mean and worst noise: an error below the noise says nothing about the model.
 
 Timings on a shared machine are noisy (other processes take cores); the figures are
 a check of the model's structure (bubbles, ticks, serialisation, engine overheads),
@@ -91,6 +95,11 @@ flags.DEFINE_integer("runs", 7, "timed runs per configuration.")
 flags.DEFINE_enum("reduce", "median", ["median", "min"], "how the timed runs of one "
                   "configuration, and of each profiled layer, are summarised (min: steadier on a "
                   "busy machine).")
+flags.DEFINE_enum("profile_timing", "alone", ["alone", "loop"], "how each layer is timed "
+                  "(plan.profile's timing): alone, less a compiled no-op's call; or one "
+                  "application of many in a compiled loop, weights cycled through copies as "
+                  "large as the model. A stored calibration was fitted with one of them: use "
+                  "--calibration=fit when changing it.")
 flags.DEFINE_string("json_out", None, "also write the rows and the calibration as JSON here.")
 flags.DEFINE_enum("calibration", "auto", ["auto", "fit", "stored"], "auto: the stored fit of "
                   "this device kind if there is one, else fit and store; fit: fit anew and "
@@ -107,6 +116,7 @@ class Model:
     blocks: int
     reduce: str = "median"    # of each layer's timed runs (profile's `reduce`)
     profile_rounds: int = 3   # profiles per microbatch size, per layer the least (`costs`)
+    timing: str = "alone"     # how each layer is timed (profile's `timing`)
 
     def __post_init__(self):
         self.layers = [Block(self.width) for _ in range(self.blocks)] + [Head()]
@@ -126,7 +136,7 @@ class Model:
         the slowest layer of the model."""
         if m not in self._costs:
             runs = [profile(self.layers, self.batch(m)[0], measure=True, repeats=repeats,
-                            variables=self.variables, reduce=self.reduce)
+                            variables=self.variables, reduce=self.reduce, timing=self.timing)
                     for _ in range(max(1, self.profile_rounds))]
             pick = min if self.reduce == "min" else statistics.median
             self._costs[m] = [dataclasses.replace(
@@ -290,7 +300,8 @@ def calibrate(model: Model, cal: Model, *, configs, batch: int, schedule: str = 
     configs = [(sched or schedule, d, p, M, w, mb) for sched, d, p, M, w, mb in configs]
     cals = {cal.width: cal}
     for sched, data, pipe, M, width, mb in configs:
-        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds))
+        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds,
+                                         cal.timing))
         b = hybrid.step_time(m.costs, measured_device("host_cpu", mem_bandwidth=bw),
                              data=data, pipe=pipe, num_microbatches=M, per_worker_batch=M * mb,
                              schedule=sched).boundaries
@@ -343,7 +354,8 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks, model.reduce, model.profile_rounds))
+        m = models.setdefault(width, Model(width, model.blocks, model.reduce,
+                                           model.profile_rounds, model.timing))
         est = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         bare = predict(m, compute_only, data=data, pipe=pipe, M=M, batch=batch, schedule=sched)
         steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=batch,
@@ -355,8 +367,12 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
                          predicted=est.step_time, compute=est.compute_time,
                          engine=est.engine_time, allreduce=est.allreduce_time,
                          compute_only=bare.step_time))
-    for r, t in zip(rows, time_steps(steps, runs, reduce)):
-        r.update(measured=t, rel_error=r["predicted"] / t - 1.0)
+    # Two passes of `runs` rounds each: what they disagree by is the noise of the measured
+    # steps themselves (other processes on the host), below which no error is meaningful.
+    first, second = time_steps(steps, runs, reduce), time_steps(steps, runs, reduce)
+    for r, a, b in zip(rows, first, second):
+        t = min(a, b) if reduce == "min" else (a + b) / 2
+        r.update(measured=t, rel_error=r["predicted"] / t - 1.0, pass_spread=abs(a / b - 1.0))
     return rows
 
 
@@ -369,8 +385,10 @@ def rank_correlation(a, b) -> float:
 def summary(rows) -> dict:
     err = np.array([r["rel_error"] for r in rows])
     bare = np.array([r["compute_only"] / r["measured"] - 1 for r in rows])
+    spread = np.array([r.get("pass_spread", np.nan) for r in rows])
     return dict(mean_abs_rel_error=float(np.abs(err).mean()),
                 max_abs_rel_error=float(np.abs(err).max()),
+                mean_pass_spread=float(spread.mean()), max_pass_spread=float(spread.max()),
                 compute_only_mean_abs_rel_error=float(np.abs(bare).mean()),
                 rank_correlation=rank_correlation([r["predicted"] for r in rows],
                                                   [r["measured"] for r in rows]))
@@ -378,12 +396,14 @@ def summary(rows) -> dict:
 
 def print_rows(rows) -> None:
     print(f"{'data x pipe x M':>15} {'bubble':>7} {'compute':>8} {'engine':>8} {'allred':>7} "
-          f"{'predicted':>9} {'measured':>9} {'error':>7} | {'no-engine':>9} {'error':>7}")
+          f"{'predicted':>9} {'measured':>9} {'error':>7} | {'no-engine':>9} {'error':>7} "
+          f"{'noise':>6}")
     for r in rows:
         print(f"{r['config']:>15} {r['bubble']:>7.3f} {r['compute'] * 1e3:>8.2f} "
               f"{r['engine'] * 1e3:>8.2f} {r['allreduce'] * 1e3:>7.2f} "
               f"{r['predicted'] * 1e3:>9.2f} {r['measured'] * 1e3:>9.2f} {r['rel_error']:>+7.0%} | "
-              f"{r['compute_only'] * 1e3:>9.2f} {r['compute_only'] / r['measured'] - 1:>+7.0%}")
+              f"{r['compute_only'] * 1e3:>9.2f} {r['compute_only'] / r['measured'] - 1:>+7.0%} "
+              f"{r.get('pass_spread', float('nan')):>6.0%}")
 
 
 def main(argv) -> None:
@@ -408,8 +428,8 @@ def main(argv) -> None:
         load = (float("nan"),) * 3
     print(f"host: {n} x {jax.devices()[0].platform} devices, {os.cpu_count()} cores, load "
           f"average {load[0]:.2f} (timings are noisy when other processes use the cores)")
-    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce)
-    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce)
+    model = Model(FLAGS.val_width, FLAGS.val_blocks, FLAGS.reduce, timing=FLAGS.profile_timing)
+    cal = Model(FLAGS.cal_width, FLAGS.val_blocks, FLAGS.reduce, timing=FLAGS.profile_timing)
     from jaxhybrid import startup
     from jaxhybrid.plan import calibration
     cache_dir = FLAGS.cache_dir or startup.default_cache_dir()
@@ -439,7 +459,9 @@ def main(argv) -> None:
     s = summary(rows)
     print(f"mean |error| {s['mean_abs_rel_error']:.1%} (max {s['max_abs_rel_error']:.1%}); "
           f"without the engine terms {s['compute_only_mean_abs_rel_error']:.1%}; rank "
-          f"correlation predicted vs measured {s['rank_correlation']:.2f}; "
+          f"correlation predicted vs measured {s['rank_correlation']:.2f}; measured steps' "
+          f"noise (two timing passes disagree by) mean {s['mean_pass_spread']:.1%}, max "
+          f"{s['max_pass_spread']:.1%}; "
           f"bench took {time.perf_counter() - t0:.0f} s")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
