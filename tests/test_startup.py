@@ -290,9 +290,9 @@ def test_script_sets_the_cpu_compile_flags_without_overriding_the_users():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     cpu, user, devices, gpu = json.loads(out.stdout.strip().splitlines()[-1])
-    assert cpu.split() == ["--xla_force_host_platform_device_count=8",
-                           "--xla_cpu_use_fusion_emitters=false"]
+    ours = ["--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=1"]
+    assert cpu.split() == ["--xla_force_host_platform_device_count=8", *ours]
     assert user.split() == ["--xla_cpu_use_fusion_emitters=true",
-                            "--xla_force_host_platform_device_count=8"]
-    assert devices.split() == ["--xla_cpu_use_fusion_emitters=false"]
+                            "--xla_force_host_platform_device_count=8", *ours[1:]]
+    assert devices.split() == ours
     assert gpu == ""
