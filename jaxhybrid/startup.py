@@ -12,9 +12,11 @@ Two caches make a second run of the same job start fast, both under one director
 
 `Phases` splits the time from launch to the first finished training step into
 plan (layer profiling and partition; `jaxhybrid.train` compiles and runs the layers'
-initialiser on a second thread meanwhile), init (parameters, optimizer state, restore),
-compile (tracing, lowering and XLA compilation, from jax's own monitoring events, or
-reading them back from the cache) and the first step itself.
+initialiser on a second thread meanwhile), compile (tracing, lowering and XLA
+compilation, from jax's own monitoring events, or reading them back from the cache;
+`jaxhybrid.train` compiles the step right after planning, from the layers' shapes,
+while the initialiser finishes), init (what is left to wait for of the initialiser,
+optimizer state, restore) and the first step itself.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -57,13 +58,15 @@ class Run:
     (inputs, targets, mask), mask False on padding rows. Both hold this process's rows
     of every global batch (`data.process_rows`; all rows with one process).
     sample_inputs: inputs shaped like one global batch (for `Pipeline.init`), the same
-    on every process."""
+    on every process; sample_targets: targets shaped like one global batch (for
+    compiling the training step before the first batch is loaded)."""
     spec: models.ModelSpec
     mesh: Any
     pipe: jp.Pipeline
     train_batches: Callable[..., Iterator]
     eval_batches: Callable[[], Iterator]
     sample_inputs: Any = None
+    sample_targets: Any = None
 
 
 # --- validation ---------------------------------------------------------------------
@@ -159,10 +162,10 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
                      f"train.batch_size={t.batch_size} exceeds the {train_ds.num_examples} "
                      f"training examples; use a smaller batch.")
             train_batches = functools.partial(train_ds.batches, rows=rows)
-            first = next(train_ds.batches(rows=slice(0, 1)))[0]
+            first = tuple(next(train_ds.batches(rows=slice(0, 1))))[:2]
         else:
             train_batches = _process_share(train_data, rows)
-            first = next(iter(train_data()))[0]
+            first = tuple(next(iter(train_data())))[:2]
         eval_batches = (functools.partial(_dataset(config, spec, "test").eval_batches, rows=rows)
                         if eval_data is None else _process_share(eval_data, rows))
     except ValueError as e:
@@ -171,9 +174,10 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
         raise ConfigError(f"data: {e}") from None
     # The first real example, repeated to a global batch, stands in for the planner's
     # sample (exact shapes and dtypes, the same on every process).
-    sample = jax.tree.map(lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
+    sample, sample_targets = jax.tree.map(
+        lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
     _check_model_degree(spec, sample, model)
-    return Run(spec, mesh, pipe, train_batches, eval_batches, sample)
+    return Run(spec, mesh, pipe, train_batches, eval_batches, sample, sample_targets)
 
 
 def _check_model_degree(spec, sample, model: int) -> None:
@@ -336,12 +340,35 @@ def initial_state(pipe, t, variables, masks=(None, None)) -> dict:
     norm weights). An asynchronous schedule's U tasks run the optimizer wrapped for their
     windows (and SpecTrain's last update): its state is what is trained and checkpointed."""
     params = variables["params"]
+    opt_init, shardings = _optimizer_init(pipe, t, params, masks)
+    return {"variables": variables, "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+
+
+def _optimizer_init(pipe, t, params, masks):
+    """(The optimizer's init on the packed params, the shardings of its state)."""
     opt_init = async_weights.pipeline_optimizer(
         make_optimizer(t, *masks, updates_per_step=_updates_per_step(pipe)), pipe.schedule,
         pipe.num_microbatches).init
-    shardings = checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params), params,
-                                               zero=pipe.zero)
-    return {"variables": variables, "opt_state": jax.jit(opt_init, out_shardings=shardings)(params)}
+    return opt_init, checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params),
+                                                    params, zero=pipe.zero)
+
+
+def compile_ahead(run: Run, t, train_step, masks, layer_shapes, rng) -> None:
+    """Compiles `train_step` for the state `initial_state` will build, from the layers'
+    variable shapes alone (`Pipeline.init_layer_shapes`): jax keeps the compiled step,
+    and the first call with real values (the same shapes and shardings) runs it."""
+    pipe = run.pipe
+    pipe.set_layer_shapes(layer_shapes)
+    variables = pipe.abstract_variables()
+    opt_init, shardings = _optimizer_init(pipe, t, variables["params"], masks)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             jax.eval_shape(opt_init, variables["params"]), shardings)
+    batch = data.batch_sharding(run.mesh)
+    inputs, targets = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=batch),
+        (run.sample_inputs, run.sample_targets))
+    train_step.lower({"variables": variables, "opt_state": opt_state}, masks, inputs, targets,
+                     rng).compile()
 
 
 def make_train_step(run: Run, t):
@@ -474,6 +501,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
     with phases("plan", split_compile=False):
         pipe.make_plan(run.sample_inputs)
+    train_step = masks = None
+    # One process: the plan is final, so the step compiles now, from the layers'
+    # shapes, while the initialiser still compiles or runs on the other thread.
+    # (Several processes first agree on process 0's plan, below.)
+    if layer_init is not None and jax.process_count() == 1:
+        with phases("init"):
+            layer_shapes = layer_init.shapes()
+        with phases("compile"):
+            pipe.set_layer_shapes(layer_shapes)
+            masks = _masks(pipe, t)
+            train_step = make_train_step(run, t)
+            if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
+                compile_ahead(run, t, train_step, masks, layer_shapes,
+                              jax.random.fold_in(train_rng, 1))
     phases.start("init")                 # parameters, optimizer state, restore
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
@@ -488,8 +529,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                      config.model.module or f"{config.model.name}/{config.model.size}",
                      pipe.data, pipe.num_stages, pipe.model,
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
-    decay_mask = weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None
-    masks = (decay_mask, norm_weights(pipe, variables))
+    masks = masks or _masks(pipe, t, variables)
     state = initial_state(pipe, t, variables, masks)
 
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
@@ -506,7 +546,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
         writer = MetricWriter(workdir, start)
-    train_step = make_train_step(run, t)
+    train_step = train_step or make_train_step(run, t)
     schedule = learning_rate_schedule(t)
     # Batch k of the (seeded, reproducible) stream is the one step k+1 trains on, so a
     # resumed run skips exactly the batches the saved steps consumed.
@@ -580,7 +620,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     return final
 
 
-def _init_layers_in_background(pipe, rng, sample_inputs) -> concurrent.futures.Future | None:
+def _masks(pipe, t, variables=None) -> tuple:
+    """(weight-decay mask, tied-copy norm weights) of `make_optimizer`; from the layers'
+    shapes, except a split model's norm weights (they read `variables`)."""
+    return (weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None,
+            norm_weights(pipe, variables))
+
+
+class _LayerInit:
+    """`pipe.init_layers` on a second thread: `shapes()` (the variables' shapes, known
+    after tracing) and `result()` (the values) wait for their part."""
+
+    def __init__(self, pipe, rng, sample_inputs):
+        self._shapes, self._values = concurrent.futures.Future(), concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(pipe, rng, sample_inputs), daemon=True,
+                         name="layer-init").start()
+
+    def _run(self, pipe, rng, sample_inputs):
+        try:
+            self._shapes.set_result(pipe.init_layer_shapes(rng, sample_inputs))
+            self._values.set_result(jax.block_until_ready(pipe.init_layers(rng, sample_inputs)))
+        except BaseException as e:   # noqa: BLE001 (raised again by the waiting caller)
+            for future in (self._shapes, self._values):
+                if not future.done():
+                    future.set_exception(e)
+
+    def shapes(self) -> list[dict]:
+        return self._shapes.result()
+
+    def result(self) -> list[dict]:
+        return self._values.result()
+
+
+def _init_layers_in_background(pipe, rng, sample_inputs) -> _LayerInit | None:
     """`pipe.init_layers` on a second thread, started before planning: the layers'
     initialiser needs no plan, and XLA compiles it (releasing the GIL) while the
     planner traces and profiles the layers, on a core planning leaves idle. None where
@@ -588,10 +660,7 @@ def _init_layers_in_background(pipe, rng, sample_inputs) -> concurrent.futures.F
     learns which dimensions the layers split)."""
     if pipe.splitter is not None or pipe.model > 1:
         return None
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layer-init")
-    future = pool.submit(lambda: jax.block_until_ready(pipe.init_layers(rng, sample_inputs)))
-    pool.shutdown(wait=False)   # the thread ends with its one task
-    return future
+    return _LayerInit(pipe, rng, sample_inputs)
 
 
 def _adopt_process_0_plan(run: Run, config, init_rng, variables):

@@ -223,10 +223,45 @@ def test_train_initialises_the_layers_while_planning():
     pipe = jp.Pipeline(BLOCKS, mesh=mesh, num_microbatches=2)   # planner's boundaries
     future = train._init_layers_in_background(pipe, rng, x)
     pipe.make_plan(x)
+    pipe.set_layer_shapes(future.shapes())          # shapes first: what the step compiles for
+    abstract = pipe.abstract_variables()
     background = pipe.pack(future.result())
     _assert_trees_equal(background, pipe.init(rng, x))
+    placed = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree)
+    assert placed(abstract) == placed(background)
     split = jp.Pipeline(Tower(), mesh=mesh, num_microbatches=2, sample_inputs=X)
     assert train._init_layers_in_background(split, rng, X) is None
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                          # 1f1b, adamw, weight decay, clipping
+    {"pipeline.schedule": "spectrain", "train.optimizer": "sgd",   # optimizer in the pipeline
+     "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0}])
+def test_train_step_compiles_once_before_the_layers_are_initialised(tmp_path, caplog,
+                                                                     overrides):
+    """`train_and_evaluate` compiles the step from the layers' shapes while they are
+    initialised (`train.compile_ahead`); the first real step (real state, batch and key)
+    runs that program: one trace and one XLA compile of the step, both before step 1."""
+    from jaxhybrid.config_flags import load_config
+    config = load_config("gpt_hybrid.py", {
+        "model.size": "tiny", "mesh.data": 2, "mesh.pipe": 4, "pipeline.num_microbatches": 2,
+        "pipeline.boundaries": (1, 2, 3), "train.batch_size": 8, "train.steps": 1,
+        "train.eval_every": 0, "train.eval_steps": 1, "data.options.max_bytes": 20_000,
+        **overrides})
+    order = []
+    real_ahead, real_step = train.compile_ahead, train.make_train_step
+    ahead = lambda *a, **k: order.append("compile_ahead") or real_ahead(*a, **k)
+    made = lambda *a, **k: order.append("make_train_step") or real_step(*a, **k)
+    with pytest.MonkeyPatch.context() as mp, jax.log_compiles(True), \
+            caplog.at_level("WARNING", logger="jax._src.dispatch"):
+        mp.setattr(train, "compile_ahead", ahead)
+        mp.setattr(train, "make_train_step", made)
+        final = train.train_and_evaluate(config, tmp_path)
+    assert final["step"] == 1 and np.isfinite(final["train_loss"])
+    assert order == ["make_train_step", "compile_ahead"]
+    logs = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("Finished tracing train_step") for m in logs) == 1
+    assert sum(m.startswith("Finished XLA compilation of jit(train_step)") for m in logs) == 1
 
 
 _FLAGS_PROBE = """
@@ -255,9 +290,9 @@ def test_script_sets_the_cpu_compile_flags_without_overriding_the_users():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     cpu, user, devices, gpu = json.loads(out.stdout.strip().splitlines()[-1])
-    assert cpu.split() == ["--xla_force_host_platform_device_count=8",
-                           "--xla_cpu_use_fusion_emitters=false"]
+    ours = ["--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=1"]
+    assert cpu.split() == ["--xla_force_host_platform_device_count=8", *ours]
     assert user.split() == ["--xla_cpu_use_fusion_emitters=true",
-                            "--xla_force_host_platform_device_count=8"]
-    assert devices.split() == ["--xla_cpu_use_fusion_emitters=false"]
+                            "--xla_force_host_platform_device_count=8", *ours[1:]]
+    assert devices.split() == ours
     assert gpu == ""

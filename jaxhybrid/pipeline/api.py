@@ -136,6 +136,7 @@ class Pipeline:
         self.memory_budget, self.topology = memory_budget, topology
         self._plan, self._sample = None, None
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
+        self._init_program = None   # the jitted initialiser of `init_layers`
         self._cache: dict = {}
         if plan is not None:
             if plan.num_layers != L or plan.num_stages != S:
@@ -328,16 +329,31 @@ class Pipeline:
         no plan, so it can run while the planner profiles (`jaxhybrid.train` does);
         `pipe.pack(pipe.init_layers(rng, x))` equals `pipe.init(rng, x)`. A list of
         layers only (a split model initialises through its splitter)."""
-        if self.splitter is not None:
-            raise ValueError("Pipeline.init_layers: a split model is initialised by "
-                             "pipe.init(rng, sample_inputs).")
-        x = jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
-        # One program for all layers: XLA drops the forward passes that no initialiser
-        # reads, and compiles once instead of once per layer (Inception: 17 programs).
+        program, x = self._initialiser(sample_inputs)
         # Non-partitionable threefry: initialisers run unsharded here, and XLA CPU takes
         # about twice as long to compile the partitionable variant (Inception: 48 s -> 23 s).
         with jax.threefry_partitionable(False):
-            return jax.jit(functools.partial(_init_in_order, tuple(self.layers)))(rng, x)
+            return program(rng, x)
+
+    def init_layer_shapes(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
+        """What `init_layers` returns, as jax.ShapeDtypeStructs, from tracing alone; the
+        trace is the one `init_layers` then compiles (jax keeps it), so asking first
+        costs nothing extra. Lets the training step compile before the values exist."""
+        program, x = self._initialiser(sample_inputs)
+        with jax.threefry_partitionable(False):
+            return program.trace(rng, x).out_info
+
+    def _initialiser(self, sample_inputs):
+        """(The jitted all-layers initialiser, its input: the first example)."""
+        if self.splitter is not None:
+            raise ValueError("Pipeline.init_layers: a split model is initialised by "
+                             "pipe.init(rng, sample_inputs).")
+        if self._init_program is None:
+            # One program for all layers: XLA drops the forward passes that no
+            # initialiser reads, and compiles once instead of once per layer (Inception:
+            # 17 programs). One jitted function per pipeline, so that its traces are kept.
+            self._init_program = jax.jit(functools.partial(_init_in_order, tuple(self.layers)))
+        return self._init_program, jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
 
     def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
         if self._split_dims is None:
@@ -346,20 +362,7 @@ class Pipeline:
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""
-        if self._needs_plan:
-            raise ValueError("Pipeline.pack: the planner has not chosen the stages yet; call "
-                             "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
-                             "remat other than 'auto' with a memory_budget).")
-        if self.splitter is not None:   # the model's own variable tree -> per piece
-            per_layer = self.splitter.to_layer_vars(per_layer)
-        if len(per_layer) != len(self.layers):
-            raise ValueError(f"Pipeline.pack: got variables for {len(per_layer)} layers, the "
-                             f"pipeline has {len(self.layers)}.")
-        per_layer = [nn.meta.unbox(dict(v)) for v in per_layer]
-        if self.model > 1 and self._split_dims is None:
-            raise ValueError("Pipeline.pack: with a 'model' mesh axis call pipe.init(rng, "
-                             "sample_inputs) first (it learns which parameter dimensions "
-                             "are split over 'model').")
+        per_layer = self._checked_layer_vars(per_layer, "pack")
         self._set_layer_vars(per_layer)
         sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
@@ -372,6 +375,39 @@ class Pipeline:
                     for d, layers in enumerate(self.device_layers) for j in range(self.model)]
             out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
         return out
+
+    def set_layer_shapes(self, per_layer: Sequence[dict]) -> None:
+        """Lays the buffers out for per-layer variables given by shape alone (e.g.
+        `init_layer_shapes`), as `pack` would for their values: the step can then be
+        traced and compiled (on `abstract_variables`) before the values exist."""
+        self._set_layer_vars(self._checked_layer_vars(per_layer, "set_layer_shapes"))
+
+    def abstract_variables(self) -> dict:
+        """What `pack` returns, as jax.ShapeDtypeStructs with the same shardings."""
+        self._require_vars()
+        sharding = NamedSharding(self.mesh, self.stage_spec)
+        rows = self.pipe_size * self.model
+        return {c: {k: jax.ShapeDtypeStruct((rows, n), packing.dtype_of(k), sharding=sharding)
+                    for k, n in (self.param_len if c == "params" else self.state_len[c]).items()}
+                for c in ["params", *self.state_collections]}
+
+    def _checked_layer_vars(self, per_layer: Sequence[dict], who: str) -> list[dict]:
+        """`per_layer` (the model's own tree for a split model) as unboxed per-layer
+        dicts, after the checks that a layout can be made from them."""
+        if self._needs_plan:
+            raise ValueError(f"Pipeline.{who}: the planner has not chosen the stages yet; call "
+                             "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
+                             "remat other than 'auto' with a memory_budget).")
+        if self.splitter is not None:   # the model's own variable tree -> per piece
+            per_layer = self.splitter.to_layer_vars(per_layer)
+        if len(per_layer) != len(self.layers):
+            raise ValueError(f"Pipeline.{who}: got variables for {len(per_layer)} layers, the "
+                             f"pipeline has {len(self.layers)}.")
+        if self.model > 1 and self._split_dims is None:
+            raise ValueError(f"Pipeline.{who}: with a 'model' mesh axis call pipe.init(rng, "
+                             "sample_inputs) first (it learns which parameter dimensions "
+                             "are split over 'model').")
+        return [nn.meta.unbox(dict(v)) for v in per_layer]
 
     def unpack(self, variables: dict) -> list[dict]:
         """Packed variables -> list of per-layer flax variable dicts (numpy, portable)."""
