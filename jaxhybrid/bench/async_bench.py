@@ -240,18 +240,21 @@ def format_row(r: dict, rows: list) -> str:
 
 def print_means(rows: list) -> None:
     """Mean, standard deviation and range of the metric over the seeds of each setting
-    (task, S, schedule, learning rate, examples, examples per update)."""
+    (task, S, schedule, learning rate, examples, examples per update) on each platform
+    (the rows' jax version: float summation orders differ between them)."""
     groups = {}
     for r in rows:
-        key = (r["task"], r["S"], r["schedule"], r["learning_rate"], r["examples"], r["update_batch"])
+        jax_version = r.get("host", "jax ?").rpartition("jax ")[2]
+        key = (r["task"], r["S"], r["schedule"], r["learning_rate"], r["examples"],
+               r["update_batch"], jax_version)
         groups.setdefault(key, []).append(r["metric"])
     print(f"\n{'task':6} {'S':>2} {'schedule':15} {'lr':>5} {'examples':>8} {'upd.batch':>9} "
-          f"{'seeds':>5} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}")
-    for (task, S, name, lr, examples, batch), v in groups.items():
+          f"{'jax':>7} {'seeds':>5} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}")
+    for (task, S, name, lr, examples, batch, version), v in groups.items():
         v = np.asarray(v)
         sd = v.std(ddof=1) if len(v) > 1 else float("nan")
-        print(f"{task:6} {S:>2} {name:15} {lr:5.3g} {examples:>8} {batch:>9} {len(v):>5} "
-              f"{v.mean():7.4f} {sd:7.4f} {v.min():7.4f} {v.max():7.4f}")
+        print(f"{task:6} {S:>2} {name:15} {lr:5.3g} {examples:>8} {batch:>9} {version:>7} "
+              f"{len(v):>5} {v.mean():7.4f} {sd:7.4f} {v.min():7.4f} {v.max():7.4f}")
 
 
 def print_saved(path: str) -> None:
