@@ -261,3 +261,30 @@ def test_spectrain_run_from_config_resumes_exactly(tmp_path, monkeypatch):
     assert sorted(whole) == list(range(1, 6)) and resumed == whole     # bit for bit
     with pytest.raises(train.ConfigError, match="grad_clip_norm=0"):
         train.prepare(load_config("gpt_hybrid.py", {"pipeline.schedule": "pipedream"}))
+
+
+def test_spectrain_prediction_is_the_papers_w_minus_s_lr_v():
+    """Checked against the paper's formula, not the simulation above (which shares the
+    engine's W + s u): after each update of optax.sgd(schedule, momentum) the predicting
+    optimizer's last update u is -lr_t v_t, v_t the paper's momentum buffer
+    (v = mu v + g, as torch's SGD keeps it) and lr_t the schedule's rate at that update,
+    so W + s u is the paper's W - s lr v; integer buffers are never predicted."""
+    from jaxhybrid.pipeline import async_weights
+    M, mu, n = 4, 0.9, 7
+    lr = optax.linear_schedule(0.1, 0.02, 5)
+    tx = async_weights.pipeline_optimizer(optax.sgd(lr, momentum=mu),
+                                          make_schedule("spectrain", 2, M), M)
+    rng = np.random.default_rng(0)
+    w = {"float32": rng.normal(size=n).astype(np.float32)}
+    state, v = tx.init(w), np.zeros(n, np.float32)
+    for t in range(5):
+        g = rng.normal(size=n).astype(np.float32)
+        upd, state = tx.update({"float32": g}, state, w)
+        w = optax.apply_updates(w, upd)
+        v = mu * v + M * g        # a microbatch's gradient: the engine divides losses by M
+        np.testing.assert_allclose(state.last_update["float32"], -lr(t) * v, rtol=1e-5)
+        pred = async_weights._predicted({**w, "int32": np.arange(3, dtype=np.int32)}, state,
+                                        jnp.int32(3))
+        np.testing.assert_allclose(pred["float32"], w["float32"] - 3 * lr(t) * v,
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(pred["int32"], np.arange(3))

@@ -86,7 +86,8 @@ class Task:
 
 
 TASKS = {
-    "digits": Task("inception_hybrid.py", {"model.size": "tiny"}, 16 * 480, 0.05,
+    # digits: 1,920 updates (~21 epochs); at 480 the sync seeds spanned 8 points (0.77-0.85)
+    "digits": Task("inception_hybrid.py", {"model.size": "tiny"}, 16 * 1920, 0.05,
                    "eval_accuracy", "test accuracy"),
     "text": Task("gpt_hybrid.py", {"model.size": "tiny", "data.options.max_bytes": 200_000}, 16 * 960, 0.1,
                  "eval_loss", "test loss"),
@@ -214,7 +215,8 @@ def run_one(task: str, S: int, name: str, examples: int) -> dict:
                 gpu_call=gpu_call, gpu_stream=gpu_stream,
                 staleness=[] if run.synchronous else asynchronous.staleness(sched).tolist(),
                 learning_rate=t.learning_rate, seed=t.seed, microbatch=FLAGS.microbatch,
-                async_microbatches=FLAGS.async_microbatches, load=os.getloadavg()[0])
+                async_microbatches=FLAGS.async_microbatches, load=os.getloadavg()[0],
+                host=f"{os.cpu_count()} cores, jax {jax.__version__}")
 
 
 HEADER = (f"{'task':6} {'S':>2} {'schedule':15} {'lr':>5} {'updates':>7} {'upd.batch':>9} {'examples':>8} "
@@ -236,6 +238,25 @@ def format_row(r: dict, rows: list) -> str:
             f"{1e6 * r['gpu_stream']:7.2f}")
 
 
+def print_means(rows: list) -> None:
+    """Mean, standard deviation and range of the metric over the seeds of each setting
+    (task, S, schedule, learning rate, examples, examples per update) on each platform
+    (the rows' jax version: float summation orders differ between them)."""
+    groups = {}
+    for r in rows:
+        jax_version = r.get("host", "jax ?").rpartition("jax ")[2]
+        key = (r["task"], r["S"], r["schedule"], r["learning_rate"], r["examples"],
+               r["update_batch"], jax_version)
+        groups.setdefault(key, []).append(r["metric"])
+    print(f"\n{'task':6} {'S':>2} {'schedule':15} {'lr':>5} {'examples':>8} {'upd.batch':>9} "
+          f"{'jax':>7} {'seeds':>5} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}")
+    for (task, S, name, lr, examples, batch, version), v in groups.items():
+        v = np.asarray(v)
+        sd = v.std(ddof=1) if len(v) > 1 else float("nan")
+        print(f"{task:6} {S:>2} {name:15} {lr:5.3g} {examples:>8} {batch:>9} {version:>7} "
+              f"{len(v):>5} {v.mean():7.4f} {sd:7.4f} {v.min():7.4f} {v.max():7.4f}")
+
+
 def print_saved(path: str) -> None:
     """The table of saved rows (in file order), GPU columns from today's step-time model."""
     rows = []
@@ -250,7 +271,9 @@ def print_saved(path: str) -> None:
             r["gpu_call"], r["gpu_stream"] = gpu_prediction(config, r["S"], run,
                                                             even_boundaries(config, r["S"]))
             rows.append(r)
-            print(format_row(r, rows) + f"   # seed {r.get('seed', 0)}, load {r['load']:.1f}")
+            print(format_row(r, rows) + f"   # seed {r.get('seed', 0)}, load {r['load']:.1f}"
+                  + (f", {r['host']}" if "host" in r else ""))
+    print_means(rows)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
