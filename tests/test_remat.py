@@ -41,8 +41,10 @@ def test_memory_model_by_hand():
     sched = make_schedule("1f1b", 2, 4)
     rings = sched.ring_slots()[1]
     # params + Adam moments + accumulator and microbatch gradient, state, inboxes (stage
-    # 0's 100-byte output in each activation/gradient slot), 4 microbatches of input.
-    fixed = 40 + 2 * 40 + 2 * 40 + 16 + (rings["act"] + 1 + rings["grad"] + 1) * 100 + 4 * 100
+    # 0's 100-byte output in each activation/gradient slot, and the last one sent of
+    # each), 4 microbatches of input.
+    fixed = (40 + 2 * 40 + 2 * 40 + 16 + (rings["act"] + 1 + rings["grad"] + 1 + 2) * 100
+             + 4 * 100)
     # Stash row: per dtype the largest stage's residuals; the last stage also keeps the
     # loss's (its 50-byte output): float32 max(1000, 2000 + 50) + bool 1000.
     row = 2050 + 1000

@@ -22,7 +22,9 @@ each term by name; `scripts/bench.py memory` compares their sum with the compile
                                    activation gradients and backward temporaries it
                                    holds (work_s: the largest layer's in + out bytes
                                    plus the stage's layers' `bwd_temp_bytes`)
-    inboxes      (act_slots + 1 + grad_slots + 1) * max boundary bytes
+    inboxes      (act_slots + 1 + grad_slots + 1 + 2) * max boundary bytes: the rings
+                                   (and their dummy rows), and the last activation and
+                                   gradient the device sent (`Carry.act_out` / `grad_out`)
     inputs       num_microbatches * in_bytes[0]   this replica's inputs (on every device)
 
 with kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
@@ -81,7 +83,7 @@ def _fixed_terms(costs, ranges, schedule, param_state_factor) -> dict:
     rings = schedule.ring_slots()[1]
     return dict(params=params, opt_state=(param_state_factor - 2) * params, grads=2 * params,
                 state=float(max(sum(c.state_bytes for c in costs[a:b]) for a, b in ranges)),
-                inboxes=float((rings["act"] + 1 + rings["grad"] + 1) * act),
+                inboxes=float((rings["act"] + 1 + rings["grad"] + 1 + 2) * act),
                 inputs=float(schedule.num_microbatches * costs[0].in_bytes))
 
 
