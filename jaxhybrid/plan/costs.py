@@ -509,7 +509,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     fwd_c = _compile(fwd_lowered, True) if measure else None
     y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
 
-    forward_vjp, xf, x_leaves, saved = _forward_vjp(layer, x, drop, diff_inputs, train)
+    forward_vjp, xf, x_leaves, traced = _forward_vjp(layer, x, drop, diff_inputs, train)
 
     # Abstract (or, when measuring, jitted) forward + vjp: the pullback's residuals, of
     # which the engine stashes what its backward cannot recompute cheaply.
@@ -517,7 +517,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
         params, xf, state, x_leaves)
     if measure:
         yf, vjp_fn = jax.jit(forward_vjp)(params, xf, state, x_leaves)
-    saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), saved["kept"])
+    saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
     bwd_lowered = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
@@ -591,15 +591,15 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
                                  train=train, rng=drop)
         return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
 
-    saved = {}
+    traced = {}
 
     def forward_vjp(p, xf_, st, leaves):
         yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, st, leaves), p, xf_, has_aux=True)
         # Traced, so parameter/state leaves are tracers and can be told apart from
         # true residuals by identity.
         known = jax.tree.leaves((p, st))
-        saved["kept"] = [i for i, l in enumerate(jax.tree.leaves(vjp_fn))
+        traced["kept"] = [i for i, l in enumerate(jax.tree.leaves(vjp_fn))
                          if not any(l is q for q in known)]
         return yf, vjp_fn
 
-    return forward_vjp, [x_leaves[k] for k in fidx], x_leaves, saved
+    return forward_vjp, [x_leaves[k] for k in fidx], x_leaves, traced

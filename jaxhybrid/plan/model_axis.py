@@ -75,13 +75,13 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
         lambda k, xx: init_layer(layer, k, xx, train=train)[0], jax.random.key(0), x)
     params = lvars.get("params", {})
     state = {k: v for k, v in lvars.items() if k != "params"}
-    forward_vjp, xf, leaves, saved = _forward_vjp(layer, x, drop, diff_inputs, train)
+    forward_vjp, xf, leaves, traced = _forward_vjp(layer, x, drop, diff_inputs, train)
     fwd = tensor_parallel.make_jaxpr(forward_vjp)(params, xf, state, leaves)
     yf, vjp_fn = tensor_parallel.eval_shape(forward_vjp, params, xf, state, leaves)
     bwd = (0.0, 0)
     if yf:
         bwd = _collectives(tensor_parallel.make_jaxpr(lambda vf, c: vf(c))(vjp_fn, yf).jaxpr)
-    stashed = _stashed_bytes(fwd, len(jax.tree.leaves(yf)), saved["kept"])["bytes"]
+    stashed = _stashed_bytes(fwd, len(jax.tree.leaves(yf)), traced["kept"])["bytes"]
     return float(stashed), _jaxpr_flops(fwd.jaxpr), _collectives(fwd.jaxpr), bwd
 
 
