@@ -287,6 +287,7 @@ def test_plan_and_projection_price_a_step_alike(schedule, v):
     hw = measured_device("cal", mem_bandwidth=1e9, compute_slots=3.0, tick_overhead=0.05,
                          tick_param_bytes=8.0, tick_latency=0.01, task_overhead=0.02,
                          collective_overhead=0.01, launch_overhead=0.03, lockstep_slots=2.0,
+                         lockstep_contention=0.5, weight_task_overhead=0.04,
                          **({"bandwidth": 1e30, "latency": 0.0} if v > 1 else {"bandwidth": 1e5}))
     topo = hybrid.pipeline_topology(hw, 2) if v == 1 else None
     p = make_plan(costs, num_stages=2, num_microbatches=4, schedule=schedule, virtual_stages=v,
@@ -298,7 +299,9 @@ def test_plan_and_projection_price_a_step_alike(schedule, v):
                            per_worker_batch=4 * costs[0].batch_size, boundaries=p.boundaries,
                            include_update=False)
     assert p.predicted_step_time == pytest.approx(est.step_time, rel=1e-9)
-    assert p.tick_overhead > 0.05 and p.compute_slots == 2.0    # the lock-step slots
-    assert (p.task_overhead, p.collective_overhead, p.launch_overhead) == (0.02, 0.01, 0.03)
+    # the lock-step slots of its 2 devices
+    assert p.tick_overhead > 0.05 and p.compute_slots == pytest.approx(2.0 / 2 ** 0.5)
+    assert (p.task_overhead, p.collective_overhead, p.launch_overhead,
+            p.weight_task_overhead) == (0.02, 0.01, 0.03, 0.04)
     assert p.predicted_step_time > bare.predicted_step_time
     assert Plan.from_json(p.to_json()).predicted_step_time == pytest.approx(p.predicted_step_time)

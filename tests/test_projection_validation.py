@@ -158,9 +158,10 @@ def test_calibration_recovers_known_engine_terms():
                           4 * width, 20e-6 * width / 64, 40e-6 * width / 64, measured=True)
                 for i in range(8)]
     models = {w: hybrid.cost_fn(layers(w)) for w in (8, 128, 512, 2048)}
-    true = measured_device("true", mem_bandwidth=20e9, compute_slots=1.5, lockstep_slots=0.8,
-                           launch_overhead=200e-6, tick_overhead=15e-6, tick_param_bytes=20.0,
-                           task_overhead=8e-6, collective_overhead=10e-6, tick_latency=5e-6)
+    true = measured_device("true", mem_bandwidth=20e9, compute_slots=1.5, lockstep_slots=1.2,
+                           lockstep_contention=0.2, launch_overhead=200e-6, tick_overhead=15e-6,
+                           tick_param_bytes=20.0, task_overhead=8e-6, weight_task_overhead=12e-6,
+                           collective_overhead=10e-6, tick_latency=5e-6)
 
     def predict(hw, c):
         sched, d, p, M, w, mb = c

@@ -52,8 +52,8 @@ def test_engine_work_per_task_collective_and_launch():
     from jaxhybrid.plan.step_model import engine_counts
     s = make_schedule("1f1b", 4, 8)
     f, b = np.ones(4), 2 * np.ones(4)
-    tasks, coll = engine_counts(s)
-    assert tasks.sum() == 2 * 4 * 8                    # an F and a B per stage and microbatch
+    tasks, weight, coll = engine_counts(s)
+    assert tasks.sum() == 2 * 4 * 8 and weight.sum() == 0                   # an F and a B per stage and microbatch
     # One activation and one gradient channel (+1 / -1): 1 or 2 ppermutes a tick, never
     # more, and none in a tick where nobody sends.
     assert coll.max() == 2 and coll.min() >= 0 and coll.sum() >= 2 * (8 - 1)
@@ -77,9 +77,26 @@ def test_engine_work_per_task_collective_and_launch():
 def test_split_and_interleaved_tables_count_their_own_tasks_and_collectives():
     from jaxhybrid.plan.step_model import engine_counts
     zb, one = engine_counts(make_schedule("zb-h1", 4, 8)), engine_counts(make_schedule("1f1b", 4, 8))
-    assert zb[0].sum() == 3 * 4 * 8 and one[0].sum() == 2 * 4 * 8     # W tasks
+    assert zb.tasks.sum() == 3 * 4 * 8 and one.tasks.sum() == 2 * 4 * 8     # W tasks
+    assert zb.weight_tasks.sum() == 4 * 8 and one.weight_tasks.sum() == 0
     inter = engine_counts(make_schedule("interleaved", 4, 8, virtual_stages=2))
-    assert inter[0].sum() == 2 * 8 * 8 and inter[1].sum() > one[1].sum()
+    assert inter.tasks.sum() == 2 * 8 * 8 and inter.collectives.sum() > one.collectives.sum()
+
+
+def test_weight_tasks_cost_their_own_overhead():
+    """A split backward's W task costs `weight_task_overhead` more than an F or B; a
+    schedule without W tasks does not pay it."""
+    from jaxhybrid.plan.step_model import engine_counts
+    f, b = np.ones(4), 2 * np.ones(4)
+    zb, one = make_schedule("zb-h1", 4, 8), make_schedule("1f1b", 4, 8)
+    serial = dict(compute_slots=1.0, weight_task_overhead=0.5)
+    assert lockstep_time(zb, f, b, **serial).engine == pytest.approx(0.5 * 4 * 8)
+    assert lockstep_time(one, f, b, **serial).engine == 0.0
+    # Own devices (no slots): each tick is longer by its busiest device's W work at most.
+    free = lockstep_time(zb, f, b, weight_task_overhead=0.5)
+    w = engine_counts(zb).weight_tasks
+    np.testing.assert_allclose(free.compute + free.engine,
+                               (zb.work(f, b) + 0.5 * w).max(axis=1).sum())
 
 
 def test_engine_terms_use_the_lockstep_slots():
@@ -88,11 +105,19 @@ def test_engine_terms_use_the_lockstep_slots():
     hw = measured_device("h", mem_bandwidth=1e9, compute_slots=1.5, tick_overhead=1e-5,
                          tick_param_bytes=8.0, task_overhead=2e-6, collective_overhead=3e-6,
                          launch_overhead=4e-6, tick_latency=5e-6)
-    t = engine_terms(hw, 1000)
+    t = engine_terms(hw, 1000, 4)
     assert t["compute_slots"] == 1.5                       # no lock-step figure: compute_slots
     assert t["tick_overhead"] == pytest.approx(1e-5 + 1000 * 8.0 / 1e9)
     assert (t["task_overhead"], t["collective_overhead"], t["launch_overhead"],
             t["tick_latency"]) == (2e-6, 3e-6, 4e-6, 5e-6)
-    assert engine_terms(hw.replace(lockstep_slots=0.8), 1000)["compute_slots"] == 0.8
+    assert engine_terms(hw.replace(lockstep_slots=0.8), 1000, 4)["compute_slots"] == 0.8
+    # More devices in the lock-step program, fewer slots: devices ** -contention.
+    crowded = hw.replace(lockstep_slots=2.0, lockstep_contention=0.25)
+    assert engine_terms(crowded, 1000, 1)["compute_slots"] == pytest.approx(2.0)
+    assert engine_terms(crowded, 1000, 8)["compute_slots"] == pytest.approx(2.0 / 8 ** 0.25)
+    assert engine_terms(hw.replace(weight_task_overhead=6e-6), 1000, 4)[
+        "weight_task_overhead"] == 6e-6
+    with pytest.raises(ValueError, match="lockstep_contention"):
+        measured_device(lockstep_contention=-0.1)
     with pytest.raises(ValueError, match="task_overhead"):
         measured_device(task_overhead=-1.0)

@@ -83,8 +83,9 @@ flags.DEFINE_list("val_configs", "2x1x1,1x2x2,1x2x8,2x2x4,4x2x2,1x4x4,1x4x8,1x8x
                   "validation configs, [schedule:]data x pipe x microbatches[@width].")
 flags.DEFINE_integer("cal_width", 512, "calibration model width (same depth; wider than the "
                      "validation model so the per-parameter engine cost shows).")
-flags.DEFINE_list("cal_configs", "1x2x8@8,1x8x4@8,2x2x4@8,4x2x2@8,zb-h1:1x4x4@8,gpipe:1x2x8@8,"
-                  "interleaved:1x2x4@8,1x2x8,1x8x8,2x4x4,2x2x4@512/8,1x8x4@512/4,1x4x2@128/16",
+flags.DEFINE_list("cal_configs", "1x2x8@8,1x8x4@8,2x2x4@8,4x2x2@8,zb-h1:1x4x4@8,zb-h1:2x2x8@8,"
+                  "gpipe:1x2x8@8,interleaved:1x2x4@8,1x2x8,1x8x8,2x4x4,2x2x4@512/8,1x8x4@512/4,"
+                  "1x4x2@128/16",
                   "calibration configs, [schedule:]data x pipe x M[@width][/microbatch] (default "
                   "width --cal_width, microbatch 1): width 8 shows the engine's costs alone "
                   "(per tick, task, collective, step), two widths tell the per-parameter cost "
@@ -251,14 +252,22 @@ def parse_cal_configs(items, schedule: str | None, width: int) -> list[tuple]:
 
 
 # The engine terms `calibrate` fits: (Hardware field, unit of the fitted number, start,
-# lower bound). lockstep_slots' upper bound is the host's cores; it may be below 1: it
-# is relative to the profile's layer times, which a lone device measures with all the
-# host's intra-op threads to itself (on XLA CPU a pipelined program's devices run
-# nearly one at a time, each with fewer threads than that).
-ENGINE_TERMS = (("lockstep_slots", 1.0, 1.0, 0.25), ("launch_overhead", 1e-6, 100.0, 0.0),
+# lower bound). lockstep_slots is relative to the profile's layer times, which a lone
+# device measures with all the host's intra-op threads to itself (on XLA CPU a
+# pipelined program's devices run nearly one at a time, each with fewer threads than
+# that), and is what one device would get (`lockstep_contention` divides it by
+# devices ** contention): it may be below 1, and its upper bound is twice the host's
+# cores; the contention's is 1 (slots falling as 1 / devices: one device at a time).
+ENGINE_TERMS = (("lockstep_slots", 1.0, 1.0, 0.25), ("lockstep_contention", 1.0, 0.0, 0.0),
+                ("launch_overhead", 1e-6, 100.0, 0.0),
                 ("tick_overhead", 1e-6, 10.0, 0.0), ("tick_param_bytes", 1.0, 4.0, 0.0),
-                ("task_overhead", 1e-6, 10.0, 0.0), ("collective_overhead", 1e-6, 10.0, 0.0),
+                ("task_overhead", 1e-6, 10.0, 0.0), ("weight_task_overhead", 1e-6, 10.0, 0.0),
+                ("collective_overhead", 1e-6, 10.0, 0.0),
                 ("tick_latency", 1e-6, 10.0, 0.0))
+
+# The terms that say how many devices compute at once (kept when the engine's costs
+# are left out of a prediction).
+SLOT_TERMS = ("lockstep_slots", "lockstep_contention")
 
 
 def fit_engine_terms(base: Hardware, measured, predict_fn, max_slots: float) -> tuple[Hardware, list]:
@@ -275,11 +284,12 @@ def fit_engine_terms(base: Hardware, measured, predict_fn, max_slots: float) -> 
         return [predict_fn(hw, c) / t - 1 for c, t in measured]
 
     lo = [b for *_, b in ENGINE_TERMS]
-    hi = [max(max_slots, 1.0) if f == "lockstep_slots" else np.inf for f, *_ in ENGINE_TERMS]
+    upper = dict(lockstep_slots=2 * max(max_slots, 1.0), lockstep_contention=1.0)
+    hi = [upper.get(f, np.inf) for f, *_ in ENGINE_TERMS]
     fits = []
     # The slots and the per-device work trade off (more slots, more work per device):
     # start from a few slot counts and keep the best fit.
-    for slots in (0.5, 1.0, hi[0]):
+    for slots in (0.5, 1.0, max(max_slots, 1.0)):
         x0 = [min(max(slots if f == "lockstep_slots" else s, l), h)
               for (f, _, s, _), l, h in zip(ENGINE_TERMS, lo, hi)]
         fits.append(least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac"))
@@ -347,7 +357,7 @@ def validate(model: Model, hw: Hardware, configs, *, batch: int, schedule: str =
              runs: int = 7, reduce: str = "median") -> list[dict]:
     """Predicted vs measured step for each (data, pipe, M), or each (schedule, data, pipe,
     M, width) (`parse_val_configs`; other widths: a `Model` of that width, same depth)."""
-    compute_only = hw.replace(**{f: 0.0 for f, *_ in ENGINE_TERMS if f != "lockstep_slots"})
+    compute_only = hw.replace(**{f: 0.0 for f, *_ in ENGINE_TERMS if f not in SLOT_TERMS})
     models = {model.width: model}
     rows, steps = [], []
     for config in configs:

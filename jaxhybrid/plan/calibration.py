@@ -26,8 +26,9 @@ from jaxhybrid.plan.hardware import Hardware, measured_device
 # The fitted terms (Hardware fields) a calibration stores.
 FIELDS = ("mem_bandwidth", "compute_slots", "tick_overhead", "tick_param_bytes",
           "tick_latency", "task_overhead", "collective_overhead", "launch_overhead",
-          "lockstep_slots", "devices_per_node")
-FORMAT = 3
+          "lockstep_slots", "lockstep_contention", "weight_task_overhead",
+          "devices_per_node")
+FORMAT = 4
 
 
 def device_key(devices=None) -> str:

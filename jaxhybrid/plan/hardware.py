@@ -31,11 +31,19 @@ weights out of the packed buffer) at `mem_bandwidth`; `tick_latency` seconds per
 that are waiting, not work (the tick's collectives' rendezvous of all devices, the loop
 step): they add to the tick's length once, not to every device's share of the cores;
 `task_overhead` seconds of engine work per F/B/W task (branch dispatch, packing outputs
-and residuals, stash and inbox writes), `collective_overhead` per device per collective
+and residuals, stash and inbox writes), `weight_task_overhead` more per W task (the
+split backward's weight half reads its stash, gradient and cross rows and rebuilds its
+residuals: 10-14 us at width 8 on the 2-core host), `collective_overhead` per device per collective
 the tick issues, `launch_overhead` per device per step (launch, buffers zeroed, final
 reductions); `lockstep_slots`, how many devices compute at once inside the lock-step
 program (0: `compute_slots`; on XLA CPU the simulated devices of a pipelined program
-run nearly one at a time even where a data-parallel program overlaps them). All are 0 for the GPU presets,
+run nearly one at a time even where a data-parallel program overlaps them), divided by
+devices ** `lockstep_contention`: every tick ends in a rendezvous of all the program's
+devices, so the more device threads share the cores, the more of each tick goes to
+switching between them and refilling caches (8 simulated devices on 2 cores, 1F1B at
+M = 8, microbatch 4: the layers' profiled work per second of the step's layer time
+falls from 2.2 at 2 devices to 1.5 at 8 at width 256, from 1.4 to 1.0 at width 384; the
+engine's own cost per device per tick at width 8 rises from 9.5 us to 17 us). All are 0 for the GPU presets,
 which model an engine whose per-tick costs vanish next to the layers' (see
 docs/projection.md); `measured_device` sets them from calibration runs (the validation
 bench on the simulated CPU devices, `jaxhybrid.bench.projection_bench`).
@@ -90,10 +98,12 @@ class Hardware:
     tick_param_bytes: float = 0.0    # bytes per packed parameter element per device per tick
     tick_latency: float = 0.0        # per tick on the critical path, not work (pipe > 1)
     task_overhead: float = 0.0       # engine work per F/B/W task a device runs (pipe > 1)
+    weight_task_overhead: float = 0.0  # and more per W task (split backward, pipe > 1)
     collective_overhead: float = 0.0  # engine work per device per collective issued (pipe > 1)
     launch_overhead: float = 0.0     # engine work per device per step (pipe > 1)
     lockstep_slots: float = 0.0      # devices computing at once in the lock-step program
                                      # (pipe > 1); 0: compute_slots
+    lockstep_contention: float = 0.0  # those slots fall as devices^-contention
     step_overhead: float = 0.0       # fixed cost per training step
     description: str = ""
 
@@ -110,7 +120,8 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be > 0.")
         for f in ("tick_overhead", "tick_param_bytes", "tick_latency", "step_overhead",
                   "layer_overhead", "task_overhead", "collective_overhead", "launch_overhead",
-                  "lockstep_slots"):
+                  "weight_task_overhead",
+                  "lockstep_slots", "lockstep_contention"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be >= 0.")
         if self.tick_param_bytes and self.mem_bandwidth is None:

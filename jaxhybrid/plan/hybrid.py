@@ -315,7 +315,8 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         dev = sched.stage_device
         links = {(dev[k], dev[k + 1]) for k in range(K - 1) if dev[k] != dev[k + 1]}
         per_tick_comm = tick_transfer(topo, links, nb)
-        engine = engine_terms(hw, np.bincount(dev, weights=params, minlength=pipe).max())
+        engine = engine_terms(hw, np.bincount(dev, weights=params, minlength=pipe).max(),
+                              data * pipe * model)
     st = lockstep_time(sched, F, B, data=data * model, transfer_per_tick=per_tick_comm, **engine)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline

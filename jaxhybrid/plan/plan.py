@@ -59,6 +59,7 @@ class Plan:
     tick_latency: float = 0.0                   # seconds per tick, waiting (not work)
     transfer_per_tick: float = 0.0              # the tick's boundary transfers (topology)
     task_overhead: float = 0.0                  # engine work per F/B/W task
+    weight_task_overhead: float = 0.0           # more per W task
     collective_overhead: float = 0.0            # engine work per device per collective
     launch_overhead: float = 0.0                # engine work per device per step
 
@@ -108,6 +109,7 @@ class Plan:
                              compute_slots=self.compute_slots or math.inf,
                              tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
                              task_overhead=self.task_overhead,
+                             weight_task_overhead=self.weight_task_overhead,
                              collective_overhead=self.collective_overhead,
                              launch_overhead=self.launch_overhead,
                              transfer_per_tick=self.transfer_per_tick,
@@ -302,7 +304,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
             stage_params = stage_sums([c.param_count for c in times], cuts)
             engine = engine_terms(hardware, np.bincount(sched.stage_device,
-                                                        weights=stage_params).max())
+                                                        weights=stage_params).max(),
+                                  (S // v) * data)
         slots = engine.pop("compute_slots")
         slots = slots if math.isfinite(slots) else None
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,

@@ -13,7 +13,10 @@ compare predictions with measured steps.
                    `tick_overhead` every tick (control flow, the table row, the
                    packed-buffer reads: `Hardware.tick_overhead` and `tick_param_bytes`),
                    `task_overhead` per F/B/W task it runs (the branch dispatch, packing
-                   the stage's output and residuals, the stash and inbox writes) and
+                   the stage's output and residuals, the stash and inbox writes),
+                   `weight_task_overhead` more per W task (a split backward's weight
+                   half reads its stash, gradient and cross rows and rebuilds the
+                   residuals again) and
                    `collective_overhead` per collective the tick issues (`ppermute` per
                    transfer channel in ticks where some device sends on it: every
                    device takes part); `launch_overhead` once per step per device (the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import numpy as np
 
@@ -65,31 +69,51 @@ def engine_tick_cost(hw, device_param_elems: float) -> float:
     return float(hw.tick_overhead) + per_param
 
 
-def engine_terms(hw, device_param_elems: float) -> dict:
-    """`lockstep_time`'s engine keywords for a pipelined step (pipe > 1) on `hw` (a
-    `Hardware`), whose largest device holds `device_param_elems` packed parameters: the
-    engine's costs and `compute_slots`, the devices that compute at once inside the
-    lock-step program (`Hardware.lockstep_slots`, by default `compute_slots`)."""
+def lockstep_slots(hw, devices: int) -> float:
+    """How many of the lock-step program's `devices` (all of them: data x pipe x model)
+    compute at once on `hw`: `Hardware.lockstep_slots` (by default `compute_slots`)
+    divided by devices ** `Hardware.lockstep_contention`."""
     slots = hw.lockstep_slots if hw.lockstep_slots else hw.compute_slots
+    return float(slots) / float(max(devices, 1)) ** float(hw.lockstep_contention)
+
+
+def engine_terms(hw, device_param_elems: float, devices: int) -> dict:
+    """`lockstep_time`'s engine keywords for a pipelined step (pipe > 1) of `devices`
+    devices in all on `hw` (a `Hardware`), whose largest device holds
+    `device_param_elems` packed parameters: the engine's costs and `compute_slots`, the
+    devices that compute at once inside the lock-step program (`lockstep_slots`)."""
+    slots = lockstep_slots(hw, devices)
     return dict(compute_slots=float(slots), tick_overhead=engine_tick_cost(hw, device_param_elems),
                 task_overhead=float(hw.task_overhead),
+                weight_task_overhead=float(hw.weight_task_overhead),
                 collective_overhead=float(hw.collective_overhead),
                 launch_overhead=float(hw.launch_overhead), tick_latency=float(hw.tick_latency))
 
 
+class EngineCounts(typing.NamedTuple):
+    """What the runtime does in each tick of a schedule, as `lockstep_time` prices it."""
+    tasks: np.ndarray          # [tick, device] F/B/W tasks run
+    weight_tasks: np.ndarray   # [tick, device] of which W (a split backward's weight half)
+    collectives: np.ndarray    # [tick] collectives issued
+
+
 @functools.lru_cache(maxsize=512)
-def engine_counts(schedule) -> tuple[np.ndarray, np.ndarray]:
-    """([tick, device] F/B/W tasks run, [tick] collectives issued) of `schedule` as the
-    runtime executes it (`jaxhybrid.pipeline.tables.control_table`: one `ppermute` per
-    transfer channel in every tick where some device sends on it)."""
+def engine_counts(schedule) -> EngineCounts:
+    """The tasks and collectives of `schedule` as the runtime executes it
+    (`jaxhybrid.pipeline.tables.control_table`: one `ppermute` per transfer channel in
+    every tick where some device sends on it)."""
     from jaxhybrid.pipeline.tables import control_table
     from jaxhybrid.schedules import TaskType
     tasks = np.zeros((schedule.num_ticks, schedule.num_devices))
+    weight = np.zeros_like(tasks)
     for t in schedule.tasks:
         if t.kind in (TaskType.F, TaskType.B, TaskType.W):
             tasks[t.tick, t.device] += 1
+        if t.kind == TaskType.W:
+            weight[t.tick, t.device] += 1
     ct = control_table(schedule)
-    return tasks, _issued(ct.act_send, ct.act_channels) + _issued(ct.grad_send, ct.grad_channels)
+    return EngineCounts(tasks, weight, _issued(ct.act_send, ct.act_channels)
+                        + _issued(ct.grad_send, ct.grad_channels))
 
 
 def _issued(send: np.ndarray, channels) -> np.ndarray:
@@ -111,15 +135,17 @@ def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.in
 def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots: float = math.inf,
                   tick_overhead: float = 0.0, transfer_per_tick: float = 0.0,
                   allreduce: float = 0.0, tick_latency: float = 0.0, task_overhead: float = 0.0,
-                  collective_overhead: float = 0.0, launch_overhead: float = 0.0) -> StepTime:
+                  collective_overhead: float = 0.0, launch_overhead: float = 0.0,
+                  weight_task_overhead: float = 0.0) -> StepTime:
     """The step of `schedule` (a `jaxhybrid.schedules.Schedule`) with per-stage forward
     and (full) backward costs, under the model in the module docstring."""
     work = schedule.work(fwd_cost, bwd_cost)
     compute = float(tick_lengths(work, data, compute_slots).sum())
     extra = np.full(work.shape, float(tick_overhead))
-    if task_overhead or collective_overhead:
-        tasks, coll = engine_counts(schedule)
-        extra = extra + task_overhead * tasks + collective_overhead * coll[:, None]
+    if task_overhead or collective_overhead or weight_task_overhead:
+        tasks, weight, coll = engine_counts(schedule)
+        extra = (extra + task_overhead * tasks + weight_task_overhead * weight
+                 + collective_overhead * coll[:, None])
     engine = 0.0
     if extra.any():
         engine = float(tick_lengths(work + extra, data, compute_slots).sum()) - compute
