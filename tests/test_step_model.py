@@ -53,7 +53,8 @@ def test_engine_work_per_task_collective_and_launch():
     s = make_schedule("1f1b", 4, 8)
     f, b = np.ones(4), 2 * np.ones(4)
     tasks, weight, coll = engine_counts(s)
-    assert tasks.sum() == 2 * 4 * 8 and weight.sum() == 0                   # an F and a B per stage and microbatch
+    assert tasks.sum() == 2 * 4 * 8                    # an F and a B per stage and microbatch
+    assert weight.sum() == 0                           # no W tasks in 1F1B
     # One activation and one gradient channel (+1 / -1): 1 or 2 ppermutes a tick, never
     # more, and none in a tick where nobody sends.
     assert coll.max() == 2 and coll.min() >= 0 and coll.sum() >= 2 * (8 - 1)

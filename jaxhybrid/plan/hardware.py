@@ -33,9 +33,9 @@ step): they add to the tick's length once, not to every device's share of the co
 `task_overhead` seconds of engine work per F/B/W task (branch dispatch, packing outputs
 and residuals, stash and inbox writes), `weight_task_overhead` more per W task (the
 split backward's weight half reads its stash, gradient and cross rows and rebuilds its
-residuals: 10-14 us at width 8 on the 2-core host), `collective_overhead` per device per collective
-the tick issues, `launch_overhead` per device per step (launch, buffers zeroed, final
-reductions); `lockstep_slots`, how many devices compute at once inside the lock-step
+residuals: 10-14 us at width 8 on the 2-core host), `collective_overhead` per device
+per collective the tick issues, `launch_overhead` per device per step (launch, buffers
+zeroed, final reductions); `lockstep_slots`, how many devices compute at once inside the lock-step
 program (0: `compute_slots`; on XLA CPU the simulated devices of a pipelined program
 run nearly one at a time even where a data-parallel program overlaps them), divided by
 devices ** `lockstep_contention`: every tick ends in a rendezvous of all the program's
@@ -43,8 +43,8 @@ devices, so the more device threads share the cores, the more of each tick goes 
 switching between them and refilling caches (8 simulated devices on 2 cores, 1F1B at
 M = 8, microbatch 4: the layers' profiled work per second of the step's layer time
 falls from 2.2 at 2 devices to 1.5 at 8 at width 256, from 1.4 to 1.0 at width 384; the
-engine's own cost per device per tick at width 8 rises from 9.5 us to 17 us). All are 0 for the GPU presets,
-which model an engine whose per-tick costs vanish next to the layers' (see
+engine's own cost per device per tick at width 8 rises from 9.5 us to 17 us). All
+are 0 for the GPU presets, which model an engine whose per-tick costs vanish next to the layers' (see
 docs/projection.md); `measured_device` sets them from calibration runs (the validation
 bench on the simulated CPU devices, `jaxhybrid.bench.projection_bench`).
 
