@@ -15,9 +15,10 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 the largest boundary); with pipe > 1 every device's work in every tick
                 also holds the engine's own cost (`step_model.engine_terms`: per tick
                 `tick_overhead` + `tick_param_bytes` x (packed parameter elements per
-                device = the largest stage's) / `mem_bandwidth`, per task, per
-                collective, per step; 0 for the GPU presets), its ticks run with
-                `lockstep_slots` compute slots;
+                device = the largest stage's) / `mem_bandwidth`, per task (more per
+                W task), per collective, per step; 0 for the GPU presets), its ticks
+                run with `step_model.lockstep_slots(hw, data x pipe x model)` compute
+                slots (fewer the more devices share the cores);
                 with finite `compute_slots` (simulated devices sharing C cores) a tick
                 lasts max(max_s work, data * sum_s work / C): the work of all devices in
                 the tick serialises over the cores that are there;
