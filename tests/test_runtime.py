@@ -10,7 +10,7 @@ import pytest
 
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
-from jaxhybrid.pipeline import backward, packing, runtime, tables
+from jaxhybrid.pipeline import backward, layouts, packing, runtime, tables
 from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.schedules import TaskType, make_schedule
 
@@ -55,7 +55,7 @@ def test_split_pipeline_weight_branches_run_no_forward_op():
     inputs, labels = mm.make_batch(4)
     mb_in = pipe._microbatch(inputs, "inputs")
     mb_tg = pipe._microbatch(labels, "targets")
-    lay = runtime.stage_layouts(pipe.engine(), mb_in, mb_tg, mm.loss_fn, True,
+    lay = layouts.stage_layouts(pipe.engine(), mb_in, mb_tg, mm.loss_fn, True,
                                 jax.ShapeDtypeStruct((2,), jnp.uint32), split=True)
     for sb in lay.split:
         # (A conv's kernel gradient is itself a convolution, so conv may appear.)
@@ -72,7 +72,7 @@ def test_runtime_runs_without_a_pipeline_object():
     del pipe   # nothing below reads it
     inputs, labels = mm.make_batch(4)
     mb = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape[1:]), a.dtype), t)
-    lay = runtime.stage_layouts(eng, mb(inputs), mb(labels), mm.loss_fn, False, None, False)
+    lay = layouts.stage_layouts(eng, mb(inputs), mb(labels), mm.loss_fn, False, None, False)
     job = runtime.Job(eng, lay, mm.loss_fn, False, False, False)
     ctl = tables.control_table(make_schedule("1f1b", 2, 2))
     body = runtime.train_program(job, ctl)

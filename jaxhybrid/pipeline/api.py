@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.layers import init_layer, raw_key
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
-from jaxhybrid.pipeline import async_weights, model_shards, packing, programs, runtime, tables, zero
+from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
+                                tables, zero)
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
@@ -446,7 +447,7 @@ class Pipeline:
                loss_fn, train, rng is not None)
         if key not in self._cache:
             with tensor_parallel.degree(self.model):   # local shapes, "model" bound
-                self._cache[key] = runtime.stage_layouts(
+                self._cache[key] = layouts.stage_layouts(
                     self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
                     split=self.schedule.split_backward)
         return self._cache[key]
@@ -584,9 +585,9 @@ class Pipeline:
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""
         with tensor_parallel.degree(self.model):   # local shapes, "model" bound
-            trees = runtime.boundary_trees(self.engine(), mb_in, train, rng)
+            trees = layouts.boundary_trees(self.engine(), mb_in, train, rng)
         internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
-        return runtime.StageLayouts(
+        return layouts.StageLayouts(
             act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
             grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
             cross_len={}, residuals=None, split=[])

@@ -14,7 +14,8 @@ from jax import lax
 
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import packing
-from jaxhybrid.pipeline.runtime import (Engine, StageLayouts, _local, _row, _send, _set_row,
+from jaxhybrid.pipeline.layouts import StageLayouts
+from jaxhybrid.pipeline.runtime import (Engine, _local, _row, _send, _set_row,
                                         _split_microbatches, _take, data_mean)
 from jaxhybrid.pipeline.tables import COL, ControlTable
 

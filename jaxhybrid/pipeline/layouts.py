@@ -1,0 +1,166 @@
+"""What one stage computes and what travels between stages: a stage's forward under
+`jax.vjp` and its backward from stashed residuals (`stage_forward`, `backward_fn`), and
+the packed layouts of the boundary activations, gradients, residuals and zero-bubble
+crossing values (`StageLayouts`), learnt by running every stage abstractly on one
+microbatch (`stage_layouts`, no FLOPs). The executor (`jaxhybrid.pipeline.runtime`)
+builds its task branches from these."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid import tensor_parallel
+from jaxhybrid.pipeline import packing
+from jaxhybrid.pipeline.backward import Residuals, SplitBackward
+from jaxhybrid.pipeline.stages import merge_float, split_float
+
+if TYPE_CHECKING:   # the executor imports this module
+    from jaxhybrid.pipeline.runtime import Engine, Stage
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class StageLayouts:
+    """Layouts of what travels or is stashed, for one microbatch shape. act[k] / grad[k]:
+    the input of stage k (act[K]: the model output); res[k] residuals; split[k]: the
+    stage's SplitBackward (split schedules). What a split B hands to W (the crossing
+    values) goes into the stash row's space that only B read (`in_row[k]`: its Layout
+    over the stash buffers and which crossing values it holds); the rest into the cross
+    ring (cross[k], `overflow[k]`), so zero-bubble costs no stash beyond 1F1B's when the
+    residuals only B reads are as big as what W needs (a Dense+tanh layer's output)."""
+    act: list
+    grad: list
+    res: list
+    cross: list
+    act_len: dict
+    grad_len: dict
+    res_len: dict
+    cross_len: dict
+    residuals: Residuals
+    split: list
+    in_row: list = dataclasses.field(default_factory=list)
+    overflow: list = dataclasses.field(default_factory=list)
+    # Split stages stash only the residuals B or W reads (res_used[k]: their indices
+    # among the forward's kept residuals, res_avals[k]: all of those, for the zeros).
+    res_used: list = dataclasses.field(default_factory=list)
+    res_avals: list = dataclasses.field(default_factory=list)
+
+    def stashed(self, k: int, kept: list) -> list:
+        return kept if not self.res_used else [kept[i] for i in self.res_used[k]]
+
+    def unstashed(self, k: int, res_row: dict) -> list:
+        """The kept residuals of stage k from its stash row (zeros where not stashed:
+        nothing reads those)."""
+        leaves = packing.unpack_leaves(self.res[k], res_row)
+        if not self.res_used:
+            return leaves
+        got = dict(zip(self.res_used[k], leaves))
+        return [got[i] if i in got else jnp.zeros(a.shape, a.dtype)
+                for i, a in enumerate(self.res_avals[k])]
+
+    @property
+    def in_row_keys(self) -> tuple:
+        """The stash buffers some stage's B writes crossing values into: only these are
+        written back (rewriting a row unchanged costs XLA CPU a copy of the ring)."""
+        return tuple(sorted({key for lay in self.in_row for key in lay.size_of}))
+
+
+def floats(tree: PyTree) -> list:
+    return [l for l in jax.tree.leaves(tree) if jnp.issubdtype(l.dtype, jnp.floating)]
+
+
+# --- one stage's forward and backward ---------------------------------------------------
+def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, gmb, loss_fn,
+                  num_microbatches: int, train: bool, residuals: Residuals):
+    """Stage k under jax.vjp. Returns (loss / M on the last stage, else the output's float
+    leaves; kept residuals; new state; the output's other leaves)."""
+    xf, xi, xmask = split_float(x)
+    xdef = jax.tree.structure(x)
+
+    def f(p, xf):
+        y, new_state = stage.apply(p, state, merge_float(xdef, xmask, xf, xi), train=train,
+                                   rng=rng, microbatch=gmb)
+        if last:
+            return jnp.asarray(loss_fn(y, tgt), jnp.float32) / num_microbatches, (new_state, [])
+        yf, yi, _ = split_float(y)
+        return yf, (new_state, yi)
+
+    if k == 0:   # the model input needs no gradient
+        out, vjp_fn, (new_state, yi) = jax.vjp(lambda p: f(p, xf), params, has_aux=True)
+    else:
+        out, vjp_fn, (new_state, yi) = jax.vjp(f, params, xf, has_aux=True)
+    return out, residuals.split(k, vjp_fn, params), new_state, yi
+
+
+def backward_fn(residuals: Residuals, k: int, last: bool):
+    """(params, kept residuals, cotangent leaves) -> (param grads, input grads), from the
+    stashed residuals (the last stage's cotangent is d loss / d loss, a scalar)."""
+    def bwd(p, kept, ct):
+        return residuals.rebuild(k, kept, p)(ct[0] if last else ct)
+    return bwd
+
+
+def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
+    """Abstract input of every stage and the model's output, [x_0, ..., x_K], for one
+    microbatch (no FLOPs)."""
+    trees = [mb_inputs]
+    for stage in eng.stages:
+        trees.append(tensor_parallel.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
+            p, st, x, train=train, rng=key, microbatch=0)[0],
+            stage.abstract_params, stage.abstract_state, trees[-1], rng))
+    return trees
+
+
+def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: bool,
+                  rng, split: bool) -> StageLayouts:
+    """Abstractly runs every stage in order on one microbatch (no FLOPs) to learn its
+    boundary, residual and (split) crossing layouts."""
+    K = len(eng.stages)
+    trees = boundary_trees(eng, mb_inputs, train, rng)
+    kept_trees, residuals, splits, crosses, all_kept = [], Residuals(), [], [], []
+    gmb = jax.ShapeDtypeStruct((), jnp.int32)
+    for k, (stage, x) in enumerate(zip(eng.stages, trees)):
+        last = k == K - 1
+
+        def run(params, state, x, tgt, key, gmb, k=k, stage=stage, last=last):
+            out, kept, _, yi = stage_forward(stage, k, last, params, state, x, tgt, key, gmb,
+                                             loss_fn, eng.num_microbatches, train, residuals)
+            return out, kept, yi
+
+        closed, (out, kept, _) = tensor_parallel.make_jaxpr(run, return_shape=True)(
+            stage.abstract_params, stage.abstract_state, x, mb_targets, rng, gmb)
+        # Residuals the backward can recompute cheaply from the others are not stashed.
+        n_out = len(jax.tree.leaves(out))
+        d = residuals.derive(k, closed, closed.jaxpr.outvars[n_out:n_out + len(kept)])
+        kept = [kept[i] for i in d.stash]
+        if split:
+            ct = [jax.ShapeDtypeStruct((), jnp.float32)] if last else floats(out)
+            sb = SplitBackward(backward_fn(residuals, k, last), stage.abstract_params, kept, ct,
+                               len(jax.tree.leaves(stage.abstract_params)))
+            splits.append(sb)
+            crosses.append(sb.crossing_avals)
+            all_kept.append(kept)
+            kept = [a for a, read in zip(kept, sb.reads_residual) if read]
+        kept_trees.append(kept)
+    internal, act_len = packing.shared_layouts(trees[1:K], whole_min=None)
+    grads, grad_len = packing.shared_layouts([floats(t) for t in trees[1:K]], whole_min=None)
+    res, res_len = packing.shared_layouts(kept_trees)
+    in_row, overflow = [], []
+    for k, sb in enumerate(splits):
+        live = [w for w, read in zip(sb.weight_reads_residual, sb.reads_residual) if read]
+        lay, rest = packing.place_in_free_space(res[k], res_len, live, crosses[k])
+        in_row.append(lay)
+        overflow.append(rest)
+    cross, cross_len = (packing.shared_layouts([[c[i] for i in o] for c, o in zip(crosses, overflow)])
+                        if split else ([], {}))
+    return StageLayouts(
+        act=[packing.layout_of(mb_inputs), *internal, packing.layout_of(trees[K])],
+        grad=[packing.layout_of(floats(mb_inputs)), *grads], res=res, cross=cross,
+        act_len=act_len, grad_len=grad_len, res_len=res_len, cross_len=cross_len,
+        residuals=residuals, split=splits, in_row=in_row, overflow=overflow,
+        res_used=[tuple(i for i, r in enumerate(sb.reads_residual) if r) for sb in splits],
+        res_avals=all_kept)
