@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
 import pathlib
@@ -25,7 +24,6 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -34,13 +32,13 @@ from jax.sharding import NamedSharding
 
 import jaxhybrid as jh
 from jaxhybrid import checkpoint, config_flags, data, distributed, models, startup
+from jaxhybrid.metrics import MetricWriter, evaluate
+from jaxhybrid.optim import (OPTIMIZERS, global_norm, learning_rate_schedule, make_optimizer,
+                             norm_weights, weight_decay_mask)
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA
 from jaxhybrid.pipeline import async_weights
 from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
-
-OPTIMIZERS = ("adamw", "sgd")
-
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field and the fix."""
@@ -247,90 +245,6 @@ def _dataset(config, spec, split):
     return data.get_dataset(config.data.name, split, **kw, **options)
 
 
-# --- optimizer ----------------------------------------------------------------------
-def learning_rate_schedule(t, updates_per_step: int = 1) -> optax.Schedule:
-    """Linear warm-up to train.learning_rate, then cosine decay to 0 at train.steps;
-    over updates when a step makes several (asynchronous schedules)."""
-    u = updates_per_step
-    return optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, t.warmup_steps * u, max(t.steps * u, t.warmup_steps * u + 1), 0.0)
-
-
-def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
-    # optax.masked wants one bool per leaf; a packed buffer mixes kernels and biases,
-    # so the mask is itself a packed buffer (1.0 where a leaf decays).
-    def update(updates, state, params):
-        if mask is None:                  # no mask: decay everything
-            return jax.tree.map(lambda g, p: g + rate * p, updates, params), state
-        return jax.tree.map(lambda g, p, m: g + rate * m * p, updates, params, mask), state
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def global_norm(tree, weights=None):
-    """optax.tree.norm, or with `weights` (packed like the tree) sqrt(sum(w * x^2)): a
-    split model's tied copies each hold the whole gradient and count 1/copies each."""
-    if weights is None:
-        return optax.tree.norm(tree)
-    return jnp.sqrt(sum(jnp.sum(w * jnp.square(x)) for x, w in
-                        zip(jax.tree.leaves(tree), jax.tree.leaves(weights))))
-
-
-def _clip_by_global_norm(max_norm: float, weights) -> optax.GradientTransformation:
-    """optax.clip_by_global_norm with the norm of `global_norm(updates, weights)`."""
-    if weights is None:
-        return optax.clip_by_global_norm(max_norm)
-
-    def update(updates, state, params=None):
-        norm = global_norm(updates, weights)
-        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def make_optimizer(t, decay_mask=None, copy_weights=None,
-                   updates_per_step: int = 1) -> optax.GradientTransformation:
-    """adamw (decoupled weight decay) or sgd + momentum, on the packed params;
-    `copy_weights` (from `norm_weights`) make gradient clipping count tied copies once;
-    `updates_per_step` > 1 (asynchronous schedules) keeps the learning-rate schedule in
-    steps, stretched over the updates the optimizer counts."""
-    parts = [_clip_by_global_norm(t.grad_clip_norm, copy_weights)] if t.grad_clip_norm > 0 else []
-    if t.optimizer == "adamw":
-        parts.append(optax.scale_by_adam())
-    if t.weight_decay > 0:
-        parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
-    if t.optimizer == "sgd" and t.momentum > 0:
-        parts.append(optax.trace(decay=t.momentum))
-    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t, updates_per_step)))
-    return optax.chain(*parts)
-
-
-def weight_decay_mask(pipe, variables) -> dict:
-    """Packed 1.0 for kernels/embeddings (ndim >= 2), 0.0 for biases and norm scales.
-    Built on the host from the layers' parameter shapes (unpacking the parameters on the
-    mesh compiled a program that took minutes for Inception on a busy CPU); `variables`
-    is not read (the signature stays for callers)."""
-    del variables
-    masks = [jax.tree.map(lambda a: np.full(a.shape, len(a.shape) >= 2, a.dtype),
-                          shapes.get("params", {})) for shapes in pipe.layer_shapes]
-    return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, masks))
-
-
-def norm_weights(pipe, variables):
-    """For a split model whose pieces share a variable (tied embeddings): packed
-    1/copies weights (`global_norm`); with a "model" axis of T, 1/T for the leaves every
-    model shard holds whole (each holds the same gradient); None otherwise."""
-    if pipe.model > 1:
-        T = pipe.model
-        weights = [jax.tree.map(lambda a, d: np.full(a.shape, 1.0 if d >= 0 else 1.0 / T, a.dtype),
-                                shapes.get("params", {}), pipe._dims(i, "params"))
-                   for i, shapes in enumerate(pipe.layer_shapes)]
-        return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, weights))
-    if pipe.splitter is None:
-        return None
-    from jaxhybrid.splitter.pipeline_hooks import copy_weights
-    return copy_weights(pipe, pipe.splitter.split, variables["params"])
-
-
 def _updates_per_step(pipe) -> int:
     return asynchronous.updates_per_call(pipe.schedule)
 
@@ -409,66 +323,6 @@ def _make_async_train_step(run: Run, t):
     return jax.jit(train_step, donate_argnums=0)
 
 
-# --- evaluation ---------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=0)
-def metric_sums(metrics_fn, outputs, targets, mask):
-    """({metric: sum over kept rows of value x count}, sum of counts): metrics_fn per
-    row (its "count", default 1, weighs it), rows where mask is False left out. Runs
-    where the outputs are, so no process gathers the outputs of the others."""
-    one = lambda tree: jax.tree.map(lambda a: a[None], tree)
-    rows = jax.vmap(lambda o, t: metrics_fn(one(o), one(t)))(outputs, targets)
-    count = rows.pop("count", jnp.ones(mask.shape, jnp.float32))
-    weight = count * mask
-    return {k: jnp.sum(v * weight) for k, v in rows.items()}, jnp.sum(weight)
-
-
-def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
-    """Metrics over the test split (all of it, or the first `max_batches` batches):
-    padded rows are dropped by the mask, examples weighed by the metrics' "count"."""
-    totals, weight = {}, 0.0
-    batches = run.eval_batches()
-    for inputs, targets, mask in itertools.islice(batches, max_batches or None):
-        inputs, targets, mask = data.place_batch((inputs, targets, np.asarray(mask, bool)),
-                                                 run.mesh)
-        outputs = run.pipe.apply(variables, inputs)
-        sums, count = metric_sums(run.spec.metrics_fn, outputs, targets, mask)
-        for k, v in sums.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-        weight += float(count)
-    return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
-
-
-# --- metrics output -----------------------------------------------------------------
-class MetricWriter:
-    """One JSON object per logged step in workdir/metrics.jsonl, the same scalars as
-    TensorBoard events in workdir, and a line in the log. On resume, records after the
-    restored step (from the interrupted run) are dropped so every step appears once."""
-
-    def __init__(self, workdir: pathlib.Path, start_step: int):
-        from tensorboardX import SummaryWriter   # imported here: only training needs it
-        self.path = workdir / "metrics.jsonl"
-        kept = []
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1 if start_step else None)
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        step = record["step"]
-        for k, v in record.items():
-            if k != "step":
-                group, _, name = k.partition("_")
-                self.tb.add_scalar(f"{group}/{name}" if name else k, v, step)
-        logging.info("step %d: %s", step, ", ".join(
-            f"{k}={v:.5g}" for k, v in record.items() if k != "step"))
-
-    def close(self) -> None:
-        self.tb.close()
-
-
 # --- the loop -----------------------------------------------------------------------
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
                        train_data: Callable[[], Iterable] | None = None,
@@ -490,31 +344,55 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     started = time.time()
     phases = startup.Phases(launched or started)
     run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
-    t, pipe = config.train, run.pipe
     workdir = pathlib.Path(workdir).absolute()
     _require(not workdir.exists() or workdir.is_dir(),
              f"workdir {workdir} is a file; pass a directory (it is created if missing).")
-    base_rng = jax.random.key(t.seed)
-    init_rng, train_rng = jax.random.split(base_rng)
-
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
+    begun = _begin(run, config, workdir, phases, main)
+    writer = None
+    try:
+        if main:
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+            writer = MetricWriter(workdir, begun.start)
+        final = _train_steps(begun, config, workdir, phases, writer)
+    finally:
+        begun.ckpt.close()
+        if writer is not None:
+            writer.close()
+    final["wall_time_s"] = time.time() - started
+    if main:
+        logging.info("done: %s", final)
+    return final
+
+
+@dataclasses.dataclass
+class _Begun:
+    """Where the steps start: the run (with the plan every process agreed on), the state
+    after step `start` (restored from the latest checkpoint, else initial), the
+    optimizer's masks, the jitted step, the step keys' base and the checkpointer."""
+    run: Run
+    state: dict
+    masks: tuple
+    train_step: Callable
+    start: int
+    train_rng: Any
+    ckpt: checkpoint.Checkpointer
+
+
+def _begin(run: Run, config, workdir: pathlib.Path, phases, main: bool) -> _Begun:
+    """Plan, compile (one process: from the layers' shapes, while the initialiser still
+    runs), initialise and restore: the phases of the start-up line."""
+    t, pipe = config.train, run.pipe
+    init_rng, train_rng = jax.random.split(jax.random.key(t.seed))
     layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
     with phases("plan", split_compile=False):
         pipe.make_plan(run.sample_inputs)
     train_step = masks = None
-    # One process: the plan is final, so the step compiles now, from the layers'
-    # shapes, while the initialiser still compiles or runs on the other thread.
-    # (Several processes first agree on process 0's plan, below.)
+    # One process: the plan is final, so the step compiles now. (Several processes
+    # first agree on process 0's plan, below.)
     if layer_init is not None and jax.process_count() == 1:
-        with phases("init"):
-            layer_shapes = layer_init.shapes()
-        with phases("compile"):
-            pipe.set_layer_shapes(layer_shapes)
-            masks = _masks(pipe, t)
-            train_step = make_train_step(run, t)
-            if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
-                compile_ahead(run, t, train_step, masks, layer_shapes,
-                              jax.random.fold_in(train_rng, 1))
+        train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
+                                                        jax.random.fold_in(train_rng, 1))
     phases.start("init")                 # parameters, optimizer state, restore
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
@@ -531,7 +409,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     masks = masks or _masks(pipe, t, variables)
     state = initial_state(pipe, t, variables, masks)
-
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     start = 0
     if ckpt.latest_step() is not None:
@@ -542,52 +419,58 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
                          meta.get("layout"))
     phases.stop("init")
-    writer = None
-    if main:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-        writer = MetricWriter(workdir, start)
-    train_step = train_step or make_train_step(run, t)
+    return _Begun(run, state, masks, train_step or make_train_step(run, t), start, train_rng,
+                  ckpt)
+
+
+def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng):
+    """(The jitted step, the masks), the step compiled from the layers' shapes while the
+    initialiser computes their values on the other thread."""
+    with phases("init"):
+        layer_shapes = layer_init.shapes()
+    with phases("compile"):
+        run.pipe.set_layer_shapes(layer_shapes)
+        masks = _masks(run.pipe, t)
+        train_step = make_train_step(run, t)
+        if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
+            compile_ahead(run, t, train_step, masks, layer_shapes, rng)
+    return train_step, masks
+
+
+def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> dict:
+    """Steps `b.start + 1` .. train.steps: a record every log_every steps (and an
+    evaluation every eval_every and at the end), a checkpoint every checkpoint.every;
+    returns the last record."""
+    t, run, state = config.train, b.run, b.state
     schedule = learning_rate_schedule(t)
     # Batch k of the (seeded, reproducible) stream is the one step k+1 trains on, so a
     # resumed run skips exactly the batches the saved steps consumed.
-    batches = data.prefetch_to_mesh(run.train_batches(start=start), run.mesh)
-    rng_data = [int(x) for x in np.asarray(jax.random.key_data(train_rng)).reshape(-1)]
-    final, window, last_saved = {"step": start}, [], ckpt.latest_step()
-    tracing, tick = False, time.time()
+    batches = data.prefetch_to_mesh(run.train_batches(start=b.start), run.mesh)
+    rng_data = [int(x) for x in np.asarray(jax.random.key_data(b.train_rng)).reshape(-1)]
+    final, window, last_saved = {"step": b.start}, [], b.ckpt.latest_step()
+    tick = time.time()
     from tqdm import tqdm
-    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step",
-               disable=None if main else True)
+    bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
+               disable=None if writer is not None else True)
+    trace = _ProfilerTrace(config.profile, workdir)
     try:
-        for step in range(start + 1, t.steps + 1):
-            if config.profile.enabled and step == config.profile.start_step:
-                jax.profiler.start_trace(str(workdir / "profile"))
-                tracing = True
+        for step in range(b.start + 1, t.steps + 1):
+            trace.before(step)
             batch = next(batches, None)
             if batch is None:
                 raise ValueError(f"train: the training data ran out after {step - 1} steps; "
                                  f"train_data() must yield train.steps={t.steps} batches.")
             inputs, targets = batch
-            with phases("first step") if step == start + 1 else contextlib.nullcontext():
-                state, m = train_step(state, masks, inputs, targets,
-                                      jax.random.fold_in(train_rng, step))
+            with phases("first step") if step == b.start + 1 else contextlib.nullcontext():
+                state, m = b.train_step(state, b.masks, inputs, targets,
+                                        jax.random.fold_in(b.train_rng, step))
                 m = {k: float(v) for k, v in m.items()}
-            if step == start + 1 and main:
+            if step == b.start + 1 and writer is not None:
                 logging.info(phases.summary())
-            # The updated parameters count too: a finite loss with an overflowing update
-            # would otherwise be checkpointed before the next step's loss shows it.
-            if not all(map(math.isfinite, m.values())):
-                raise TrainingDiverged(
-                    f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
-                    f"{m['grad_norm']}, param_norm={m['param_norm']}): the run diverged; lower "
-                    f"train.learning_rate (now {t.learning_rate}) or set train.grad_clip_norm; "
-                    f"last checkpoint: step {last_saved} in {ckpt.directory}.")
-            loss = m["loss"]
-            window.append(loss)
+            _check_finite(m, step, t, last_saved, b.ckpt)
+            window.append(m["loss"])
             bar.update(1)
-            if tracing and step == config.profile.start_step + config.profile.num_steps - 1:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                tracing = False
+            trace.after(step, state)
             last = step == t.steps
             do_eval = last or (t.eval_every and step % t.eval_every == 0)
             if do_eval or step % t.log_every == 0:
@@ -603,21 +486,50 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
                 final, window, tick = record, [], time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
-                ckpt.save(step, pipe, state, {"rng": rng_data, "data_position": step})
+                b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step})
                 last_saved = step
-        if start >= t.steps:              # nothing left to train: report the saved state
-            final = {"step": start, **evaluate(run, state["variables"], t.eval_steps)}
+        if b.start >= t.steps:              # nothing left to train: report the saved state
+            final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
     finally:
-        if tracing:
-            jax.profiler.stop_trace()
+        trace.close()
         bar.close()
-        ckpt.close()
-        if writer is not None:
-            writer.close()
-    final["wall_time_s"] = time.time() - started
-    if main:
-        logging.info("done: %s", final)
     return final
+
+
+def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
+    """Stops a diverged run before it is checkpointed. The updated parameters count too:
+    a finite loss with an overflowing update would otherwise be saved before the next
+    step's loss shows it."""
+    if not all(map(math.isfinite, m.values())):
+        raise TrainingDiverged(
+            f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
+            f"{m['grad_norm']}, param_norm={m['param_norm']}): the run diverged; lower "
+            f"train.learning_rate (now {t.learning_rate}) or set train.grad_clip_norm; "
+            f"last checkpoint: step {last_saved} in {ckpt.directory}.")
+
+
+class _ProfilerTrace:
+    """config.profile: a jax profiler trace of steps start_step .. start_step +
+    num_steps - 1 in workdir/profile."""
+
+    def __init__(self, profile, workdir: pathlib.Path):
+        self.profile, self.workdir, self.tracing = profile, workdir, False
+
+    def before(self, step: int) -> None:
+        if self.profile.enabled and step == self.profile.start_step:
+            jax.profiler.start_trace(str(self.workdir / "profile"))
+            self.tracing = True
+
+    def after(self, step: int, state) -> None:
+        if self.tracing and step == self.profile.start_step + self.profile.num_steps - 1:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.tracing = False
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
 
 def _masks(pipe, t, variables=None) -> tuple:

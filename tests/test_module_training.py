@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxhybrid import checkpoint, data, models, train
+from jaxhybrid import checkpoint, data, models, optim, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.config_flags import load_config
 
@@ -62,7 +62,7 @@ def test_module_run_follows_the_unsplit_model(tmp_path, monkeypatch):
         "the tied embedding is held by two pieces"
     params, rest = native["params"], {k: v for k, v in native.items() if k != "params"}
     decay = jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), params)
-    tx = train.make_optimizer(t, decay)
+    tx = optim.make_optimizer(t, decay)
     opt_state = tx.init(params)
     for step, (x, y) in zip(range(1, t.steps + 1), run.train_batches()):
         loss, grads, _ = jp.reference_value_and_grad(

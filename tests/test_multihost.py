@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, data, distributed, make_mesh, train
+from jaxhybrid import checkpoint, data, distributed, make_mesh, optim, train
 from jaxhybrid.config_flags import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def assert_jitted_cut_equals_host_cut(config):
     (state, host cut, jitted pack of the jitted cut)."""
     run = train.prepare(config)
     variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
-    tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
+    tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
     state = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state["opt_state"] = jax.tree.map(lambda a: a + 1, state["opt_state"])   # not zeros
     host = checkpoint.to_portable(run.pipe, state)

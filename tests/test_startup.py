@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxhybrid as jh
-from jaxhybrid import checkpoint, startup, train
+from jaxhybrid import checkpoint, optim, startup, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.plan import costs as costs_mod
 from jaxhybrid.plan import profile
@@ -139,7 +139,7 @@ def test_weight_decay_mask_from_shapes_matches_the_unpacked_parameters():
     mesh = jh.make_mesh(data=2, pipe=2)
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, boundaries=[2])
     variables = pipe.init(jax.random.key(0), np.ones((8, 16), np.float32))
-    mask = train.weight_decay_mask(pipe, variables)
+    mask = optim.weight_decay_mask(pipe, variables)
     per_layer = checkpoint.unpack_like_params(pipe, variables["params"])
     expect = checkpoint.pack_like_params(pipe, [
         jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), t) for t in per_layer])

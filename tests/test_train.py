@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, data, models, train
+from jaxhybrid import checkpoint, data, models, optim, train
 from jaxhybrid.config_flags import load_config
 
 # (data, pipe) -> num_microbatches and boundaries such that every layout splits a
@@ -122,7 +122,7 @@ def _restore(config, ckpt_dir, step):
     """The portable (per-layer) train state of `step`, restored through `config`'s layout."""
     run = train.prepare(config)
     variables = run.pipe.init(jax.random.key(0), next(run.train_batches())[0])
-    tx = train.make_optimizer(config.train, train.weight_decay_mask(run.pipe, variables))
+    tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
     assert meta["step"] == step and meta["layout"] == {"data": 2, "pipe": 4, "model": 1,

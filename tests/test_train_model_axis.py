@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, train
+from jaxhybrid import checkpoint, optim, train
 from jaxhybrid.config_flags import load_config
 
 # Both split a batch of 16 into the same 8 microbatches of 2 (dropout keys per microbatch).
@@ -68,7 +68,7 @@ def test_model_parallel_run_with_zero_has_the_losses_of_model_1(runs, tmp_path):
 def _portable(layout, ckpt_dir, step):
     run = train.prepare(config(*layout))
     variables = run.pipe.init(jax.random.key(0), next(run.train_batches())[0])
-    tx = train.make_optimizer(config(*layout).train, train.weight_decay_mask(run.pipe, variables))
+    tx = optim.make_optimizer(config(*layout).train, optim.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
     return checkpoint.to_portable(run.pipe, state), meta

@@ -1,0 +1,79 @@
+"""Evaluation and metric output of the training program: `evaluate` (metrics over the
+test split, padding rows masked, computed where the outputs are) and `MetricWriter`
+(workdir/metrics.jsonl, TensorBoard events and the log)."""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import pathlib
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxhybrid import data
+
+if TYPE_CHECKING:
+    from jaxhybrid.train import Run
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def metric_sums(metrics_fn, outputs, targets, mask):
+    """({metric: sum over kept rows of value x count}, sum of counts): metrics_fn per
+    row (its "count", default 1, weighs it), rows where mask is False left out. Runs
+    where the outputs are, so no process gathers the outputs of the others."""
+    one = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    rows = jax.vmap(lambda o, t: metrics_fn(one(o), one(t)))(outputs, targets)
+    count = rows.pop("count", jnp.ones(mask.shape, jnp.float32))
+    weight = count * mask
+    return {k: jnp.sum(v * weight) for k, v in rows.items()}, jnp.sum(weight)
+
+
+def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
+    """Metrics over the test split (all of it, or the first `max_batches` batches):
+    padded rows are dropped by the mask, examples weighed by the metrics' "count"."""
+    totals, weight = {}, 0.0
+    batches = run.eval_batches()
+    for inputs, targets, mask in itertools.islice(batches, max_batches or None):
+        inputs, targets, mask = data.place_batch((inputs, targets, np.asarray(mask, bool)),
+                                                 run.mesh)
+        outputs = run.pipe.apply(variables, inputs)
+        sums, count = metric_sums(run.spec.metrics_fn, outputs, targets, mask)
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        weight += float(count)
+    return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+
+
+# --- metrics output -----------------------------------------------------------------
+class MetricWriter:
+    """One JSON object per logged step in workdir/metrics.jsonl, the same scalars as
+    TensorBoard events in workdir, and a line in the log. On resume, records after the
+    restored step (from the interrupted run) are dropped so every step appears once."""
+
+    def __init__(self, workdir: pathlib.Path, start_step: int):
+        from tensorboardX import SummaryWriter   # imported here: only training needs it
+        self.path = workdir / "metrics.jsonl"
+        kept = []
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        for k, v in record.items():
+            if k != "step":
+                group, _, name = k.partition("_")
+                self.tb.add_scalar(f"{group}/{name}" if name else k, v, step)
+        logging.info("step %d: %s", step, ", ".join(
+            f"{k}={v:.5g}" for k, v in record.items() if k != "step"))
+
+    def close(self) -> None:
+        self.tb.close()
