@@ -46,6 +46,7 @@ from absl import flags
 
 from jaxhybrid import data, models, startup, train
 from jaxhybrid.config_flags import load_config
+from jaxhybrid.metrics import evaluate
 from jaxhybrid.pipeline import packing, tables
 from jaxhybrid.plan.topology import fmt_bytes
 from jaxhybrid.schedules import asynchronous, make_schedule
@@ -202,7 +203,7 @@ def run_one(task: str, S: int, name: str, examples: int) -> dict:
         losses.append(float(m["loss"]))   # waits for the step (see train.py: no deep queue)
         if step > 1:
             cpu += time.process_time() - c0
-    metrics = train.evaluate(prepared, state["variables"], t.eval_steps)
+    metrics = evaluate(prepared, state["variables"], t.eval_steps)
     timed = (t.steps - 1) * t.batch_size
     gpu_call, gpu_stream = gpu_prediction(config, S, run, bounds)
     sched = pipe.schedule
