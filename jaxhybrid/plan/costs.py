@@ -45,11 +45,11 @@ import json
 import os
 import pathlib
 import re
-import statistics
-import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from jaxhybrid.plan.layer_timing import layer_time
 
 PyTree = Any
 
@@ -198,77 +198,6 @@ def _temp_bytes(compiled) -> int:
         return 0
 
 
-def _timed(fn, args, repeats: int, reduce: str = "median") -> float:
-    """Seconds of `fn(*args)` beyond the cost of calling any compiled function with
-    these arguments (dispatch, argument handling, the wait for the result): inside a
-    stage the layer runs with no call of its own, so that per-call overhead, tens of
-    microseconds on a CPU host and most of a small layer's measured time, is not its."""
-    import jax
-    import jax.numpy as jnp
-    noop = jax.jit(lambda *a: jnp.zeros((), jnp.float32), keep_unused=True)
-    return max(_wall(fn, args, repeats, reduce) - _wall(noop, args, repeats, reduce), 0.0)
-
-
-def _wall(fn, args, repeats: int, reduce: str) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))   # warm-up (and any lazy allocation)
-    runs = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - t0)
-    return float(min(runs) if reduce == "min" else statistics.median(runs))
-
-# `profile(timing="loop")`: applications of a layer per timed loop (the loop runs
-# `_LOOP_MIN` times and then enough times to last about `_LOOP_TARGET` seconds, at most
-# `_LOOP_MAX`), cycling through at most `_COPIES_MAX` copies of the layer's arguments.
-_LOOP_MIN, _LOOP_MAX, _LOOP_TARGET, _COPIES_MAX = 2, 256, 3e-3, 64
-
-
-def _timed_in_loop(fn, args, repeats: int, reduce: str = "median",
-                   context_bytes: int = 0) -> float:
-    """Seconds of one application of `fn(*args)` (a traceable function) as one of many
-    inside a compiled loop: the slope (t(n2) - t(n1)) / (n2 - n1) of two loop lengths, so
-    the per-call cost of launching a compiled function cancels. Between two applications
-    of a layer in a step the rest of the model runs (`context_bytes`: the model's
-    variables), so application i reads copy i mod R of the arguments, R copies together
-    about the model's size (on this CPU host a layer applied to the same weights in a loop
-    keeps them in the core's cache and runs 2-4x faster). An optimisation barrier ties
-    every application's arguments to the previous one's result, so XLA can neither hoist
-    the work out of the loop nor drop an application."""
-    import jax
-    import jax.numpy as jnp
-
-    out = jax.eval_shape(fn, *args)
-    copies = int(np.clip(-(-int(context_bytes) // max(_nbytes(args), 1)), 1, _COPIES_MAX))
-    keyed = lambda l: jnp.issubdtype(l.dtype, jax.dtypes.prng_key)  # noqa: E731
-    stacked = jax.tree.map(lambda l: l if keyed(l) else jnp.repeat(l[None], copies, 0), args)
-
-    def looped(n, stacked):
-        def body(i, carry):
-            st, _ = jax.lax.optimization_barrier(carry)
-            a = jax.tree.map(lambda l, s: l if keyed(l) else
-                             jax.lax.dynamic_index_in_dim(s, i % copies, keepdims=False),
-                             args, st)
-            return st, fn(*a)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
-        return jax.lax.fori_loop(0, n, body, (stacked, zeros))[1]
-
-    loop = jax.jit(looped)
-    t1 = _wall(loop, (_LOOP_MIN, stacked), 3, "min")
-    probe = _wall(loop, (4 * _LOOP_MIN, stacked), 3, "min")
-    per = max((probe - t1) / (3 * _LOOP_MIN), 1e-7)
-    n2 = int(np.clip(round(_LOOP_TARGET / per), 4 * _LOOP_MIN, _LOOP_MAX))
-    runs = {_LOOP_MIN: [], n2: []}   # the two lengths alternate: load hits both alike
-    for _ in range(max(1, repeats)):
-        for n in runs:
-            t0 = time.perf_counter()
-            jax.block_until_ready(loop(n, stacked))
-            runs[n].append(time.perf_counter() - t0)
-    pick = min if reduce == "min" else statistics.median
-    return max((pick(runs[n2]) - pick(runs[_LOOP_MIN])) / (n2 - _LOOP_MIN), 0.0)
-
-
 def _variable_bytes(layers, x, train: bool, variables) -> int:
     """Bytes of all the layers' variables (`variables`, or abstractly initialised ones):
     what passes through the caches between two applications of one layer in a step."""
@@ -283,17 +212,6 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
         lvars, x = jax.eval_shape(functools.partial(init_layer, layer, train=train), key, x)
         total += _nbytes(lvars)
     return total
-
-
-def _layer_time(timing, compiled, fn, args, roofline: float) -> float:
-    """A measured layer time (`profile`'s `timing`: (repeats, reduce, "alone" | "loop",
-    model variable bytes)). Alone: never below the roofline (the no-op's overhead,
-    subtracted, can exceed a small layer's noisy measurement); in a loop the layers beat
-    the assumed CPU peaks (weights in cache), so the roofline only where nothing was found."""
-    repeats, reduce, how, context = timing
-    if how == "alone":
-        return max(_timed(compiled, args, repeats, reduce), roofline)
-    return _timed_in_loop(fn, args, repeats, reduce, context) or roofline
 
 
 # --- the on-disk cache -----------------------------------------------------------------
@@ -379,7 +297,7 @@ def profile(layers: Sequence, sample_inputs: PyTree, *, train: bool = True, meas
     timing: how a measured layer is timed: "alone" (its compiled forward / backward
       called on its own, less a compiled no-op's call) or "loop" (one application of
       many inside one compiled loop, its arguments cycled through copies as large as the
-      model: `_timed_in_loop`).
+      model: `layer_timing.timed_in_loop`).
     reduce: "median" or "min" of the `repeats` timed runs (min: steadier on a busy host,
       where other processes only ever add time).
     cache_dir: directory of the on-disk cache (True: `cache_dir()`, the one set by
@@ -538,10 +456,10 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
             bwd_flops, bwd_bytes = _xla_cost(bwd_c)
             bwd_temp = _temp_bytes(bwd_c)
             if measure:
-                bwd_time = _layer_time(timing, bwd_c, lambda vf, c: vf(c), (vjp_fn, ct),
+                bwd_time = layer_time(timing, bwd_c, lambda vf, c: vf(c), (vjp_fn, ct),
                                        roofline_time(bwd_flops, bwd_bytes, *peaks))
         if measure:
-            fwd_time = _layer_time(timing, fwd_c, fwd, (lvars, x),
+            fwd_time = layer_time(timing, fwd_c, fwd, (lvars, x),
                                    roofline_time(fwd_flops, fwd_bytes, *peaks))
         else:
             fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
