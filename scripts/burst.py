@@ -71,15 +71,15 @@ def branch_costs(name: str, size: str):
 
 def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: float,
             fast: float, efficiency: float, branches=None):
-    from jaxhybrid.plan import burst
-    bg_step = burst.single_device_step_time(costs, bg_batch, hardware)
+    from jaxhybrid.plan import burst, multiplexing
+    bg_step = multiplexing.single_device_step_time(costs, bg_batch, hardware)
     rows, plans = [], []
     for G in devices:
         p = burst.plan_burst(costs, num_devices=G, batch_size=batch, hardware=hardware,
                              amplification_limit=limit, fast_layer_time=fast,
                              branches=branches)
-        t = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency)
-        tf = burst.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency,
+        t = multiplexing.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency)
+        tf = multiplexing.throughput(p, bg_step_time=bg_step, bg_batch=bg_batch, efficiency=efficiency,
                               forward_only=True)
         rows.append({"devices": G, "widths": p.widths, "branch_groups": {
                          str(l): [[o, g] for o, g, *_ in v] for l, v in p.branch_groups.items()},

@@ -18,6 +18,7 @@ from jaxhybrid.mesh import make_mesh
 from jaxhybrid.models.spec import apply_layers, init_layers
 from jaxhybrid.plan import LayerCost, Topology
 from jaxhybrid.plan import burst as planner
+from jaxhybrid.plan import multiplexing
 from jaxhybrid.plan.hardware import measured_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +98,7 @@ def test_plan_accounting_summary_and_plot(tmp_path):
     assert "iteration" in p.summary() and len(p.summary().splitlines()) == 2 + 4 + 1
     p.plot(str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").stat().st_size > 5000
-    t = planner.throughput(p, bg_step_time=0.01, bg_batch=8, efficiency=1.0)
+    t = multiplexing.throughput(p, bg_step_time=0.01, bg_batch=8, efficiency=1.0)
     assert t.background == pytest.approx(p.idle_time().sum() / p.iteration_time * 800)
     assert t.ratio == pytest.approx((64 / p.iteration_time + t.background) / (64 / p.dp_time))
 

@@ -106,7 +106,7 @@ def fit_small_batch(samples: Sequence[tuple[str, float, Sequence[int], Sequence[
 
 
 # --- per-layer times at every width ------------------------------------------------------
-def _cost_fn(costs) -> Callable[[int], Sequence[LayerCost]]:
+def cost_fn(costs) -> Callable[[int], Sequence[LayerCost]]:
     from jaxhybrid.plan.hybrid import cost_fn     # scales parameter traffic correctly
     return cost_fn(costs)
 
@@ -220,7 +220,7 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     if topo.n < num_devices:
         raise ValueError(f"burst: topology has {topo.n} devices, the plan needs {num_devices}.")
     widths = widths_for(num_devices, batch_size)
-    fn = _cost_fn(costs)
+    fn = cost_fn(costs)
     base = None if callable(costs) else list(costs)
     fb = [layer_times_at(fn(batch_size // g), hw, model, base) for g in widths]
     fwd, bwd = np.stack([x[0] for x in fb], 1), np.stack([x[1] for x in fb], 1)
@@ -244,7 +244,7 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
                                       for n in range(1, num_devices + 1)])
     tab.lat_max = np.array([0.0] + [lat[:n, :n].max() for n in range(1, num_devices + 1)])
     for l, bcosts in (branches or {}).items():
-        bfn = _cost_fn(bcosts)
+        bfn = cost_fn(bcosts)
         bbase = None if callable(bcosts) else list(bcosts)
         times = [layer_times_at(bfn(batch_size // g), hw, model, bbase) for g in widths]
         bfull = bfn(batch_size)
@@ -539,63 +539,3 @@ def brute_force(tab: _Tables, amplification_limit: float = 2.0,
         if t < best:
             best, arg = t, [tab.widths[k] for k, _ in combo]
     return float(best), arg
-
-
-# --- multiplexing: cluster throughput ---------------------------------------------------------
-# Fraction of a device's idle time the background job turns into its own standalone
-# throughput (slices, context switches, interference). An assumption: DeepPool reports
-# the background reaching most of its standalone speed in the idle time; the CPU
-# measurement of our executor is in docs/burst.md.
-MUX_EFFICIENCY = 0.8
-
-
-def single_device_step_time(costs, batch_size: int, hardware="v100_dgx1",
-                            small_batch: SmallBatchModel | None = None) -> float:
-    """Forward + backward of the whole model on one device at `batch_size` (a
-    background job instance: no all-reduce)."""
-    hw = get_hardware(hardware)
-    model = small_batch or SMALL_BATCH_PRESETS.get(hw.name, NO_SMALL_BATCH_LOSS)
-    base = None if callable(costs) else list(costs)
-    f, b = layer_times_at(_cost_fn(costs)(batch_size), hw, model, base)
-    return float(f.sum() + b.sum())
-
-
-@dataclasses.dataclass
-class Throughput:
-    """Examples per second of a G-device cluster: the foreground (burst plan), the
-    background in its idle time, and single-job data parallelism at the same batch."""
-    num_devices: int
-    batch_size: int
-    foreground: float
-    background: float
-    data_parallel: float
-    idle_fraction: float
-
-    @property
-    def total(self) -> float:
-        return self.foreground + self.background
-
-    @property
-    def ratio(self) -> float:
-        """Total cluster throughput over single-job data parallelism."""
-        return self.total / self.data_parallel
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total": self.total, "ratio": self.ratio}
-
-
-def throughput(plan: BurstPlan, *, bg_step_time: float, bg_batch: int,
-               efficiency: float = MUX_EFFICIENCY, forward_only: bool = False,
-               fg_slowdown: float = 1.0) -> Throughput:
-    """Cluster throughput with a background job (one instance per device, `bg_batch`
-    examples per step of `bg_step_time` s alone) in the plan's idle time.
-    forward_only: only the foreground's forward idle time is used (a runtime that
-    cannot fill the backward; `jaxhybrid.burst.multiplex` fills both); fg_slowdown:
-    foreground iteration time
-    multiplier under multiplexing."""
-    T = plan.iteration_time * fg_slowdown
-    idle = plan.idle_time(forward_only)
-    bg = float(idle.sum()) * efficiency / T * bg_batch / bg_step_time
-    return Throughput(plan.num_devices, plan.batch_size, plan.batch_size / T, bg,
-                      plan.batch_size / plan.dp_time,
-                      float(plan.idle_time().sum() / (plan.num_devices * plan.iteration_time)))
