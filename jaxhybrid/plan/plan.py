@@ -261,29 +261,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if topology is not None:
         link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in costs], data=data,
                     param_bytes=[c.param_bytes for c in costs] if data > 1 else None)
-    remap = (topology is not None and device_order is None and not topology.is_uniform()
-             and boundaries is None)
-    order = None if device_order is None else list(device_order)
-    if remap:
-        order = list(range(S * data))
-    best = None
-    for _ in range(max(1, max_mapping_rounds)):
-        cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M, **link)
-                if boundaries is None else _fixed_cuts(boundaries, S, L))
-        sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
-        value = _objective_value(sc, objective, M)
-        if best is None or value < best[0] * (1 - 1e-9):
-            best = (value, cuts, order, sc)
-        if not remap or S * data == 1:
-            break
-        new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
-                          stage_times=sc.compute,
-                          stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
-                          num_microbatches=M)
-        if new == order:
-            break
-        order = new
-    _, cuts, order, sc = best
+    cuts, order, sc = _cuts_and_order(costs, t, S, M, data, objective, topology, device_order,
+                                      boundaries, max_mapping_rounds, link)
 
     remat = [False] * L
     if budget is not None:
@@ -300,14 +279,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         links = {(dev[r * S + k], dev[r * S + k + 1]) for r in range(data) for k in range(S - 1)}
         per_tick = tick_transfer(topology, links, max(times[b - 1].out_bytes for b in cuts))
     if hardware is not None:
-        engine = dict(compute_slots=hardware.compute_slots)
-        if S // v > 1:   # the engine's ticks (one stage: no pipeline, as the projection)
-            stage_params = stage_sums([c.param_count for c in times], cuts)
-            engine = engine_terms(hardware, np.bincount(sched.stage_device,
-                                                        weights=stage_params).max(),
-                                  (S // v) * data)
-        slots = engine.pop("compute_slots")
-        slots = slots if math.isfinite(slots) else None
+        engine, slots = _engine_fields(hardware, times, cuts, sched, data)
     return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
                 schedule=schedule, data=int(data),
                 device_order=None if order is None else [int(d) for d in order],
@@ -320,6 +292,51 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 device_memory=device_mem, virtual_stages=v,
                 schedule_options=dict(sched.options), compute_slots=slots,
                 transfer_per_tick=per_tick, **engine)
+
+
+def _cuts_and_order(costs, t, S: int, M: int, data: int, objective: str, topology,
+                    device_order, boundaries, max_rounds: int, link: dict):
+    """(cuts, device order, stage costs): `boundaries` kept, or a partition of the layer
+    times `t`; on a non-uniform topology with no given order, partition and device
+    mapping alternate until the mapping stops changing (the best objective kept)."""
+    L = len(costs)
+    remap = (topology is not None and device_order is None and not topology.is_uniform()
+             and boundaries is None)
+    order = None if device_order is None else list(device_order)
+    if remap:
+        order = list(range(S * data))
+    best = None
+    for _ in range(max(1, max_rounds)):
+        cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M, **link)
+                if boundaries is None else _fixed_cuts(boundaries, S, L))
+        sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
+        value = _objective_value(sc, objective, M)
+        if best is None or value < best[0] * (1 - 1e-9):
+            best = (value, cuts, order, sc)
+        if not remap or S * data == 1:
+            break
+        new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
+                          stage_times=sc.compute,
+                          stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
+                          num_microbatches=M)
+        if new == order:
+            break
+        order = new
+    return best[1:]
+
+
+def _engine_fields(hardware, times, cuts, sched, data: int) -> tuple[dict, float | None]:
+    """(Plan's engine-term fields, its compute_slots or None) on `hardware`, priced as the
+    projection prices them: the engine's ticks only with more than one pipeline device."""
+    engine = dict(compute_slots=hardware.compute_slots)
+    devices = sched.num_stages // sched.virtual_stages
+    if devices > 1:
+        stage_params = stage_sums([c.param_count for c in times], cuts)
+        engine = engine_terms(hardware, np.bincount(sched.stage_device,
+                                                    weights=stage_params).max(),
+                              devices * data)
+    slots = engine.pop("compute_slots")
+    return engine, (slots if math.isfinite(slots) else None)
 
 
 def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
