@@ -281,30 +281,18 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     mem_sched = sched if pipe > 1 else make_schedule("1f1b", 1, M)
     pstate = hw.param_state_bytes(optimizer_states)
     params = stage_sums(np.array([c.param_count for c in local], float), cuts)
-    bs = hw.bytes_scale
-    engine_costs = [dataclasses.replace(
-        c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
-        saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
-        out_bytes=c.out_bytes * bs, model_saved_bytes=c.model_saved_bytes * bs,
-        bwd_temp_bytes=c.bwd_temp_bytes * bs,
-        model_param_bytes=(c.model_param_bytes / c.param_bytes * c.param_count * hw.grad_bytes
-                           if c.param_bytes else 0)) for c in per_layer]
+    engine_costs = _at_training_bytes(per_layer, hw)
     factor = pstate / hw.grad_bytes - 1.0       # (factor + 1) x gradient bytes = pstate
     shard = dict(param_state_factor=factor, model=model, zero_shards=data if zero else 1,
                  optimizer_factor=4.0 * optimizer_states / hw.grad_bytes)
     F, B = stage_sums(fwd, cuts), stage_sums(bwd, cuts)
     est.model_time = float((stage_sums(comm_f + comm_b, cuts)).max()) if model > 1 else 0.0
-    flags = [False] * L
-    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
-    if device > hw.usable_memory:
-        try:
-            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, hw.usable_memory, **shard)
-        except MemoryBudgetError:
-            est.reason = (f"needs {device / 1e9:.3g} GB per device > "
-                          f"{hw.usable_memory / 1e9:.3g} GB usable even with recomputation")
-            return est
-        mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
-        B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)   # collectives re-run too
+    fitted = _fit_memory(engine_costs, cuts, mem_sched, hw.usable_memory, shard)
+    if isinstance(fitted, str):
+        est.reason = fitted
+        return est
+    flags, mem = fitted
+    B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)   # recomputed (collectives too)
     remat = [bool(any(flags[a:b])) for a, b in stage_ranges(cuts, L)]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
@@ -324,6 +312,35 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     est.bubble_fraction = sched.bubble_fraction(F, B)
     est.feasible = True
     return est
+
+
+def _at_training_bytes(per_layer, hw: Hardware) -> list:
+    """The layers' costs as the memory model reads them on `hw`: activations at its
+    training dtype (x bytes_scale), parameters at its gradient bytes."""
+    bs = hw.bytes_scale
+    return [dataclasses.replace(
+        c, param_bytes=c.param_count * hw.grad_bytes, saved_bytes=c.saved_bytes * bs,
+        saved_bytes_remat=c.saved_bytes_remat * bs, in_bytes=c.in_bytes * bs,
+        out_bytes=c.out_bytes * bs, model_saved_bytes=c.model_saved_bytes * bs,
+        bwd_temp_bytes=c.bwd_temp_bytes * bs,
+        model_param_bytes=(c.model_param_bytes / c.param_bytes * c.param_count * hw.grad_bytes
+                           if c.param_bytes else 0)) for c in per_layer]
+
+
+def _fit_memory(engine_costs, cuts, mem_sched, usable: float, shard: dict):
+    """(per-layer recompute flags, stage memory) within `usable` bytes per device: none
+    recomputed when it fits, else the planner's choice (`choose_remat_spmd`); or the
+    reason (a str) when even that does not fit."""
+    flags = [False] * len(engine_costs)
+    mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
+    if device <= usable:
+        return flags, mem
+    try:
+        flags = choose_remat_spmd(engine_costs, cuts, mem_sched, usable, **shard)
+    except MemoryBudgetError:
+        return (f"needs {device / 1e9:.3g} GB per device > {usable / 1e9:.3g} GB usable even "
+                f"with recomputation")
+    return flags, spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)[0]
 
 
 def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
