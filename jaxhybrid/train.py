@@ -98,32 +98,8 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     """Checks `config` and builds model, mesh, pipeline and datasets (config.data,
     unless `train_data` / `eval_data` bring their own). Raises ConfigError."""
     _check_fields(config)
+    _check_settings(config)
     t, p = config.train, config.pipeline
-    for name in ("steps", "batch_size", "log_every"):
-        _require(_int(t[name]) and t[name] >= 1, f"train.{name}={t[name]!r} must be an int >= 1.")
-    for name in ("warmup_steps", "eval_every", "eval_steps", "seed"):
-        _require(_int(t[name]) and t[name] >= 0, f"train.{name}={t[name]!r} must be an int >= 0.")
-    _require(t.get("zero", 0) in (0, 1), f"train.zero={t.get('zero')!r} must be 0 or 1 "
-             f"(1: optimizer state sharded over the mesh's data replicas).")
-    _require(t.optimizer in OPTIMIZERS,
-             f"train.optimizer={t.optimizer!r} is unknown; choose one of {OPTIMIZERS}.")
-    _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
-    for name in ("weight_decay", "grad_clip_norm", "momentum"):
-        _require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
-    if p.schedule in SCHEDULES and asynchronous.is_asynchronous(make_schedule(p.schedule, 1, 1)):
-        # Its optimizer runs per device inside the pipeline (see docs/async.md).
-        _require(t.grad_clip_norm == 0 and t.weight_decay == 0,
-                 f"pipeline.schedule={p.schedule!r} updates weights inside the pipeline, one "
-                 f"device's buffers at a time: set train.grad_clip_norm=0 and "
-                 f"train.weight_decay=0 (a global clip or packed decay mask needs every stage).")
-    c = config.checkpoint
-    _require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
-             f">= 0 (0: only at the end).")
-    _require(_int(c.keep) and c.keep >= 1, f"checkpoint.keep={c.keep!r} must be an int >= 1.")
-    pr = config.profile
-    _require(not pr.enabled or (_int(pr.start_step) and pr.start_step >= 1 and _int(pr.num_steps)
-                                and pr.num_steps >= 1),
-             "profile.start_step and profile.num_steps must be ints >= 1.")
     try:
         spec = _model_spec(config, train_data)
     except ValueError as e:
@@ -153,6 +129,49 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     except ValueError as e:
         raise ConfigError(f"mesh (config.mesh.data/pipe, {jax.process_count()} processes): "
                           f"{e}") from None
+    train_batches, eval_batches, first = _streams(config, spec, rows, train_data, eval_data)
+    # The first real example, repeated to a global batch, stands in for the planner's
+    # sample (exact shapes and dtypes, the same on every process).
+    sample, sample_targets = jax.tree.map(
+        lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
+    _check_model_degree(spec, sample, model)
+    return Run(spec, mesh, pipe, train_batches, eval_batches, sample, sample_targets)
+
+
+def _check_settings(config) -> None:
+    """The scalar settings of train, checkpoint and profile (ConfigError naming the fix)."""
+    t, p = config.train, config.pipeline
+    for name in ("steps", "batch_size", "log_every"):
+        _require(_int(t[name]) and t[name] >= 1, f"train.{name}={t[name]!r} must be an int >= 1.")
+    for name in ("warmup_steps", "eval_every", "eval_steps", "seed"):
+        _require(_int(t[name]) and t[name] >= 0, f"train.{name}={t[name]!r} must be an int >= 0.")
+    _require(t.get("zero", 0) in (0, 1), f"train.zero={t.get('zero')!r} must be 0 or 1 "
+             f"(1: optimizer state sharded over the mesh's data replicas).")
+    _require(t.optimizer in OPTIMIZERS,
+             f"train.optimizer={t.optimizer!r} is unknown; choose one of {OPTIMIZERS}.")
+    _require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
+    for name in ("weight_decay", "grad_clip_norm", "momentum"):
+        _require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
+    if p.schedule in SCHEDULES and asynchronous.is_asynchronous(make_schedule(p.schedule, 1, 1)):
+        # Its optimizer runs per device inside the pipeline (see docs/async.md).
+        _require(t.grad_clip_norm == 0 and t.weight_decay == 0,
+                 f"pipeline.schedule={p.schedule!r} updates weights inside the pipeline, one "
+                 f"device's buffers at a time: set train.grad_clip_norm=0 and "
+                 f"train.weight_decay=0 (a global clip or packed decay mask needs every stage).")
+    c = config.checkpoint
+    _require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
+             f">= 0 (0: only at the end).")
+    _require(_int(c.keep) and c.keep >= 1, f"checkpoint.keep={c.keep!r} must be an int >= 1.")
+    pr = config.profile
+    _require(not pr.enabled or (_int(pr.start_step) and pr.start_step >= 1 and _int(pr.num_steps)
+                                and pr.num_steps >= 1),
+             "profile.start_step and profile.num_steps must be ints >= 1.")
+
+
+def _streams(config, spec, rows, train_data, eval_data):
+    """(train_batches(start=0), eval_batches(), the first training example's (inputs,
+    targets)): this process's `rows` of the config's dataset, or of the user's streams."""
+    t = config.train
     try:
         if train_data is None:
             train_ds = _dataset(config, spec, "train")
@@ -170,12 +189,7 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"data: {e}") from None
-    # The first real example, repeated to a global batch, stands in for the planner's
-    # sample (exact shapes and dtypes, the same on every process).
-    sample, sample_targets = jax.tree.map(
-        lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
-    _check_model_degree(spec, sample, model)
-    return Run(spec, mesh, pipe, train_batches, eval_batches, sample, sample_targets)
+    return train_batches, eval_batches, first
 
 
 def _check_model_degree(spec, sample, model: int) -> None:
