@@ -339,24 +339,41 @@ def test_deterministic_flag_and_call_kwargs():
         SplitModel(model, x, call_kwargs={"scale": 3.0, "deterministic": True})
 
 
-def _nnx_reference(model, x, t, data, M):
+def _nnx_reference(model, x, t, data, M, loss_fn=mse, rng=None, **call_kwargs):
+    """The unsplit NNX model on the pipeline's microbatches, in training mode. rng: the
+    streams as the splitter seeds them on microbatch g: the RngKey that is leaf j of
+    nnx.state(model) is fold_in(layer_rng(rng, g, 0), j) (split to its shape when
+    stacked), its RngCount 0."""
     graphdef, state = nnx.split(model)
     params, rest = state.filter(nnx.Param), state.filter(lambda p, v: not isinstance(v, nnx.Param))
     n = data * M
     split = lambda a: a.reshape(data, M, a.shape[0] // n, *a.shape[1:])
+    is_var = lambda v: isinstance(v, nnx.Variable)
 
-    def shard(params, rest, xs, ts):
-        def mb(rest, xt):
-            m = nnx.merge(graphdef, params, rest)
+    def shard(params, rest, d, xs, ts):
+        def mb(rest, mxt):
+            # Fresh Variables at this trace level (nnx.scan inside the model checks it).
+            m = nnx.merge(graphdef, *jax.tree.map(lambda a: a, (params, rest)))
             m.set_attributes(use_running_average=False, deterministic=False,
                              raise_if_not_found=False)
-            y = m(xt[0])
-            return nnx.state(m).filter(lambda p, v: not isinstance(v, nnx.Param)), mse(y, xt[1])
-        final, losses = jax.lax.scan(mb, rest, (xs, ts))
-        return jnp.mean(losses), final
+            if rng is not None:
+                key = layer_rng(rng, d * M + mxt[0], 0)
+                for j, (_, v) in enumerate(jax.tree_util.tree_flatten_with_path(
+                        nnx.state(m), is_leaf=is_var)[0]):
+                    if isinstance(v, (nnx.RngKey, nnx.RngCount)):
+                        k = jax.random.wrap_key_data(jax.random.fold_in(key, j))
+                        shape = v.get_value().shape
+                        v.set_value((jax.random.split(k, shape) if shape else k)
+                                    if isinstance(v, nnx.RngKey) else jnp.zeros_like(v.get_value()))
+            y = m(mxt[1], **call_kwargs)
+            nnx.pop(m, nnx.Intermediate)   # what the model sowed
+            return nnx.state(m).filter(lambda p, v: not isinstance(v, nnx.Param)), loss_fn(y, mxt[2])
+        final, losses = jax.lax.scan(mb, rest, (jnp.arange(M), xs, ts))
+        return jnp.mean(losses), final.filter(nnx.BatchStat)
 
     def total(params):
-        losses, finals = jax.vmap(shard, in_axes=(None, None, 0, 0))(params, rest, split(x), split(t))
+        losses, finals = jax.vmap(shard, in_axes=(None, None, 0, 0, 0))(
+            params, rest, jnp.arange(data), split(x), split(t))
         return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, 0), finals)
 
     (loss, new), grads = jax.value_and_grad(total, has_aux=True)(params)

@@ -288,6 +288,9 @@ def build_segments(t: Traced, assign, num_pieces: int) -> list[Segment]:
             for o in [*u.outs, *(o for o, _ in u.concat)]:
                 defp[o] = p
     uses[-1].update(i for i in t.y_ids if t.is_value(i))
+    for i in t.y_ids:   # a variable that is itself an output (a learned noise scale)
+        if i in var_key_of:
+            reads[-1][var_key_of[i]] = i
     writes = [[] for _ in range(num_pieces)]
     for j, new in t.state_out:
         if new == t.id_of_var.get(j):

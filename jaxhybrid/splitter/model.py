@@ -130,9 +130,7 @@ class SplitModel:
             nv, nx = len(self.adapter.program_vars), len(jax.tree.leaves(x_abs))
             var_ids = prog.invars[:nv]
             ny = y_tree.num_leaves
-            state_leaves = [i for i, c in enumerate(self.adapter.colls) if c != "params"]
-            rng = {i for i, _ in self.adapter.rng_leaves}
-            state_out = [(j, o) for j, o in zip(state_leaves, prog.outvars[ny:]) if j not in rng]
+            state_out = list(zip(self.adapter.state_leaves, prog.outvars[ny:]))
             self._cache[key] = C.Traced(
                 prog, dict(zip(var_ids, self.adapter.program_vars)),
                 dict(zip(self.adapter.program_vars, var_ids)), prog.invars[nv:nv + nx],

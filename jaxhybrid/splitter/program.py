@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import numpy as np
+from jax._src.interpreters.partial_eval import dce_jaxpr
 
 STAGE_BOUNDARY = "jaxhybrid_stage_boundary"
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
@@ -85,15 +86,20 @@ class Program:
 
 
 def flatten(closed: jcore.ClosedJaxpr, peaks: tuple[float, float]) -> Program:
+    # jax's own dead-code elimination first: it also prunes what is dead *inside* the
+    # operations that stay whole (a scan's unused inputs, e.g. the per-iteration dropout
+    # keys that flax's lifted scan splits off even in evaluation mode), so values they
+    # no longer read (the dropout key) are not asked for. All inputs are kept.
+    jaxpr, _ = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     prog = Program()
     env: dict = {}
-    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+    for v, c in zip(jaxpr.constvars, closed.consts):
         env[v] = prog.const(c)
-    for v in closed.jaxpr.invars:
+    for v in jaxpr.invars:
         env[v] = prog.new(v.aval)
-    prog.invars = [env[v] for v in closed.jaxpr.invars]
-    _inline(prog, closed.jaxpr, env, peaks)
-    prog.outvars = [_read(prog, env, v) for v in closed.jaxpr.outvars]
+    prog.invars = [env[v] for v in jaxpr.invars]
+    _inline(prog, jaxpr, env, peaks)
+    prog.outvars = [_read(prog, env, v) for v in jaxpr.outvars]
     _dce(prog)
     return prog
 

@@ -5,10 +5,12 @@ An adapter flattens the model's own variable tree (what `model.init` returns for
 "batch_stats", ...) and name, and gives
     forward(var_leaves, x, key, train) -> (y, new values of the state leaves)
 with the model called as `model(x, **call_kwargs)`, `train=` set when `__call__` takes it
-(linen; else `deterministic=not train` when it takes that) or the NNX attributes `deterministic` / `use_running_average` set (NNX). The
+(else `deterministic=not train` when it takes that), linen and NNX alike, and for NNX the
+attributes `deterministic` / `use_running_average` set too. The
 "dropout" rng of a linen model is `key` (raw uint32 key data). NNX rng streams (RngKey /
-RngCount variables) are not trained: while split they are re-seeded per microbatch,
-stream j (in state order) drawing from fold_in(key, j) with its count at 0.
+RngCount variables) are not trained: while split they are re-seeded per microbatch, the
+RngKey that is leaf j of the model's state becoming fold_in(key, j) (split to its shape
+when it is stacked, as nnx.vmap'd layers' are) with its count at 0.
 """
 from __future__ import annotations
 
@@ -89,15 +91,26 @@ class Adapter:
         """model.init in evaluation mode with the call's keyword arguments; the keys as
         `jaxhybrid.layers.init_layer` splits them."""
         params_key, dropout_key = jax.random.split(rng)
-        kw = dict(self.call_kwargs)
-        if self.takes_train:
-            kw["train"] = False
-        elif self.takes_deterministic:
-            kw["deterministic"] = True
+        kw = {**self.call_kwargs, **self.mode_kwargs(False)}
         return nn.meta.unbox(dict(self.model.init({"params": params_key, "dropout": dropout_key},
                                                   x, **kw)))
 
+    @property
+    def state_leaves(self) -> list:
+        """Leaf indices of the state variables whose new values `forward` returns: every
+        collection but "params", less NNX rng streams (re-seeded, never trained)."""
+        rng = {i for i, _ in self.rng_leaves}
+        return [i for i, c in enumerate(self.colls) if c != "params" and i not in rng]
+
     # --- the forward ----------------------------------------------------------------
+    def mode_kwargs(self, train: bool) -> dict:
+        """`train=` or `deterministic=` for a `__call__` that takes it (linen and NNX)."""
+        if self.takes_train:
+            return {"train": train}
+        if self.takes_deterministic:
+            return {"deterministic": not train}
+        return {}
+
     def forward(self, var_leaves: list, x, key, train: bool):
         leaves = [None] * len(self.avals)
         for i, v in zip(self.program_vars, var_leaves):
@@ -108,38 +121,42 @@ class Adapter:
 
     def _linen_forward(self, leaves, x, key, train):
         variables = jax.tree.unflatten(self.treedef, leaves)
-        kw = dict(self.call_kwargs)
-        if self.takes_train:
-            kw["train"] = train
-        elif self.takes_deterministic:
-            kw["deterministic"] = not train
+        kw = {**self.call_kwargs, **self.mode_kwargs(train)}
         state_colls = sorted(set(self.colls) - {"params"})
         rngs = {"dropout": key} if key is not None else {}
         if train and state_colls:
             y, new = self.model.apply(variables, x, rngs=rngs, mutable=state_colls, **kw)
             by_path = {_path_name(p): v for p, v in
                        jax.tree_util.tree_flatten_with_path(nn.meta.unbox(dict(new)))[0]}
-            state = [by_path.get(_path_name(p), leaves[i])
-                     for i, p in enumerate(self.paths) if self.colls[i] != "params"]
+            state = [by_path.get(_path_name(self.paths[i]), leaves[i]) for i in self.state_leaves]
             return y, state
         y = self.model.apply(variables, x, rngs=rngs, **kw)
-        return y, [leaves[i] for i in range(len(leaves)) if self.colls[i] != "params"]
+        return y, [leaves[i] for i in self.state_leaves]
 
     def _nnx_forward(self, leaves, x, key, train):
         for i, what in self.rng_leaves:
             a = self.avals[i]
             if what == "key":
-                k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), i)
-                leaves[i] = jnp.broadcast_to(jax.random.wrap_key_data(k), a.shape)
+                k = jax.random.wrap_key_data(jax.random.fold_in(
+                    key if key is not None else jax.random.PRNGKey(0), i))
+                # A stacked stream (layers made by nnx.vmap + split_rngs) gets one key per
+                # layer, as the model has: the same key everywhere would give every layer
+                # the same dropout mask.
+                leaves[i] = jax.random.split(k, a.shape) if a.shape else k
             else:
                 leaves[i] = jnp.zeros(a.shape, a.dtype)
         state = jax.tree.unflatten(self.treedef, leaves)
         m = nnx.merge(self.graphdef, state)
         m.set_attributes(deterministic=not train, use_running_average=not train,
                          raise_if_not_found=False)
-        y = m(x, **self.call_kwargs)
-        new = jax.tree.leaves(nnx.state(m))
-        return y, [new[i] for i in range(len(leaves)) if self.colls[i] != "params"]
+        y = m(x, **self.call_kwargs, **self.mode_kwargs(train))
+        # By path, not by position: the call may add variables (`self.sow` makes
+        # nnx.Intermediate ones), which shifts the positions of those after them.
+        by_path = {_path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+            nnx.state(m), is_leaf=lambda v: isinstance(v, nnx.Variable))[0]}
+        # Not the rng streams' new keys and counts: as outputs they would keep the key
+        # derivation alive, so evaluation (dropout off) would still ask for an rng.
+        return y, [jax.tree.leaves(by_path[self.names[i]])[0] for i in self.state_leaves]
 
 
 _NNX_TYPES = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
@@ -157,20 +174,39 @@ def _nnx_collection(var) -> str:
     return type(var).__name__.lower()
 
 
+def _read_signature(a: Adapter) -> None:
+    """Which mode flag `a.model.__call__` takes (`train`, else `deterministic`), and a
+    clear error, before any tracing, when it needs more positional inputs than the one
+    input pytree the pipeline passes, or when call_kwargs sets the mode flag."""
+    try:
+        params = inspect.signature(type(a.model).__call__).parameters
+    except (TypeError, ValueError):
+        return
+    a.takes_train = "train" in params
+    a.takes_deterministic = not a.takes_train and "deterministic" in params
+    for name, taken in (("train", a.takes_train), ("deterministic", a.takes_deterministic)):
+        if taken and name in a.call_kwargs:
+            raise ValueError(f"Splitter: do not pass {name} in call_kwargs; the pipeline "
+                             f"sets it (training in value_and_grad, evaluation in apply).")
+    set_by_us = {"train"} if a.takes_train else {"deterministic"} if a.takes_deterministic else set()
+    positional = [n for n, p in list(params.items())[1:]   # after self
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [n for n in positional[1:] if params[n].default is params[n].empty
+                and n not in a.call_kwargs and n not in set_by_us]
+    if required:
+        names = ", ".join(positional[:1] + required)
+        raise ValueError(f"Splitter: {type(a.model).__name__}.__call__ takes "
+                         f"{len(required) + 1} inputs ({names}) but the pipeline calls "
+                         f"model(inputs, **call_kwargs) with one input pytree; wrap it in a "
+                         f"module whose __call__(self, inputs) returns model(*inputs), or pass "
+                         f"constant ones in call_kwargs.")
+
+
 def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
     call_kwargs = dict(call_kwargs or {})
     if isinstance(model, nn.Module):
         a = Adapter(model, call_kwargs, "linen")
-        try:
-            params = inspect.signature(type(model).__call__).parameters
-        except (TypeError, ValueError):
-            params = {}
-        a.takes_train = "train" in params
-        a.takes_deterministic = not a.takes_train and "deterministic" in params
-        for name, taken in (("train", a.takes_train), ("deterministic", a.takes_deterministic)):
-            if taken and name in call_kwargs:
-                raise ValueError(f"Splitter: do not pass {name} in call_kwargs; the pipeline "
-                                 f"sets it (training in value_and_grad, evaluation in apply).")
+        _read_signature(a)
         abstract = _trace_errors(lambda: jax.eval_shape(
             a.init_fn, jax.random.PRNGKey(0),
             jax.tree.map(lambda l: jax.ShapeDtypeStruct((1, *np.shape(l)[1:]), l.dtype),
@@ -184,6 +220,7 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
         return a
     if isinstance(model, nnx.Module):
         a = Adapter(model, call_kwargs, "nnx")
+        _read_signature(a)
         a.graphdef, state = nnx.split(model)
         _, a.treedef = jax.tree.flatten(state)
         flat = jax.tree_util.tree_flatten_with_path(
