@@ -1,6 +1,7 @@
 """The pipeline equals the sequential single-device reference (loss, grads, batch_stats)."""
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,6 +128,41 @@ def test_apply_matches_sequential_eval():
                        boundaries=[2, 4, 6])
     out = pipe.apply(pipe.pack(per_layer), inputs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+
+class _AuxHead(nn.Module):
+    """Logits, a scalar per call (an auxiliary loss) and a parameter (a noise scale)."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = x[0]                      # the mixed model's (activation, aux) carry
+        return nn.Dense(3)(h), jnp.mean(h ** 2), self.param("scale", nn.initializers.ones, (5,))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_apply_returns_non_batch_outputs_once_per_microbatch(schedule):
+    """Batch-major leaves come back as one batch; a scalar or a returned parameter once per
+    microbatch, in batch order (data x M of them), equal to the model on that microbatch."""
+    layers = LAYERS[:-1] + [_AuxHead()]
+    data, M, mb = 2, 3, 2
+    inputs, _ = mm.make_batch(data * M * mb)
+    per_layer = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1)).init_layers(
+        jax.random.key(1), inputs)
+
+    def model(x):
+        for layer, v in zip(layers, per_layer):
+            x, _ = apply_layer(layer, v, x, train=False)
+        return x
+    stages = make_schedule(schedule, 2, M).num_stages
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=data, pipe=2), num_microbatches=M,
+                       schedule=schedule, boundaries=even_boundaries(len(layers), stages))
+    logits, aux, scale = pipe.apply(pipe.pack(per_layer), inputs)
+    want = [model(jax.tree.map(lambda a: a[i * mb:(i + 1) * mb], inputs)) for i in range(data * M)]
+    np.testing.assert_allclose(np.asarray(logits), np.concatenate([w[0] for w in want]),
+                               rtol=1e-5, atol=1e-6)
+    assert aux.shape == (data * M,) and scale.shape == (data * M, 5)
+    np.testing.assert_allclose(np.asarray(aux), [float(w[1]) for w in want], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(scale), np.stack([w[2] for w in want]), rtol=1e-6)
 
 
 def test_dropout_depends_on_rng_and_is_reproducible():

@@ -559,7 +559,10 @@ class Pipeline:
     def apply(self, variables: dict, inputs: PyTree, *, train: bool = False,
               rng: jax.Array | None = None) -> PyTree:
         """Forward pass of the whole model over the global batch; returns the last
-        layer's outputs (batch-major, sharded over "data"). Mutable state is not updated."""
+        layer's outputs, sharded over "data": batch-major leaves (leading axis the
+        microbatch size) as one batch, any other leaf (a scalar such as an auxiliary
+        loss, a parameter the model returns) one value per microbatch, [data x M, ...]
+        in batch order. Mutable state is not updated."""
         self._require_vars()
         key = ("apply", train, rng is not None)
         if key not in self._cache:

@@ -38,8 +38,8 @@ def _output_branch(eng: Engine, lay: StageLayouts, k: int, train: bool, has_rng:
 
 def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bool,
                     has_rng: bool):
-    """(params, state, inputs, rng) -> outputs of the last stage, batch-major; state is
-    not updated. ctl: a table with F tasks only (`schedules.forward_schedule`)."""
+    """(params, state, inputs, rng) -> outputs of the last stage (`_merge_microbatches`);
+    state is not updated. ctl: a table with F tasks only (`schedules.forward_schedule`)."""
     K, M = len(eng.stages), eng.num_microbatches
     out_len = lay.act[K].size_of
 
@@ -72,10 +72,22 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
         c, _ = lax.scan(tick, c, jnp.arange(table.shape[0]))
         # Only the last stage's device holds outputs; the others hold zeros.
         out = {k: lax.psum(v[:M], PIPE) for k, v in c["out"].items()}
-        return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]),
+        mb = jax.tree.leaves(inputs)[0].shape[1]
+        return jax.tree.map(functools.partial(_merge_microbatches, mb),
                             packing.unpack(lay.act[K], out))
 
     return per_device
+
+
+def _merge_microbatches(mb: int, a: jax.Array) -> jax.Array:
+    """One output leaf of M microbatches, [M, *leaf]: batch-major leaves (leading axis
+    the microbatch size) back to one batch, [M x mb, ...]; any other leaf (a scalar such
+    as an auxiliary loss, a parameter the model returns) stays one value per
+    microbatch, [M, *leaf]: `Pipeline.apply` cannot know how the model would have
+    combined them over the whole batch."""
+    if a.ndim >= 2 and a.shape[1] == mb:
+        return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    return a
 
 
 def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: bool):
