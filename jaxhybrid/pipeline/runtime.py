@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import async_weights, packing, zero
-from jaxhybrid.pipeline.layouts import StageLayouts, backward_fn, stage_forward
+from jaxhybrid.pipeline.layouts import StageLayouts, backward_fn
 from jaxhybrid.pipeline.stages import merge_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
 from jaxhybrid.schedules import TaskType
@@ -142,9 +142,8 @@ def forward_branch(job: Job, k: int):
     def run(p_bufs, st_bufs, act_row, x_raw, tgt, gmb, rng):
         params, state = _stage_vars(stage, p_bufs, st_bufs)
         x = x_raw if k == 0 else packing.unpack(lay.act[k], act_row)
-        out, kept, new_state, yi = stage_forward(
-            stage, k, k == K - 1, params, state, x, tgt, rng if job.has_rng else None, gmb,
-            job.loss_fn, job.eng.num_microbatches, job.train, lay.residuals)
+        out, kept, new_state, yi = lay.forward(k, params, state, x, tgt,
+                                               rng if job.has_rng else None, gmb)
         res = packing.pack(lay.res[k], lay.stashed(k, kept), lay.res_len)
         st_bufs = {**st_bufs, **{c: packing.pack_into(stage.state[c], new_state[c], st_bufs[c])
                                  for c in stage.state}}
