@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import numpy as np
-from jax._src.interpreters.partial_eval import dce_jaxpr
+from jax.interpreters.partial_eval import dce_jaxpr
 
 STAGE_BOUNDARY = "jaxhybrid_stage_boundary"
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
