@@ -116,6 +116,22 @@ def test_padded_rows_do_not_change_metrics():
 
 
 # --- content of each dataset --------------------------------------------------------
+def test_digits_read_directly_equal_sklearns_load_digits():
+    """The loader reads the CSV scikit-learn ships without importing sklearn (seconds of
+    start-up): the same pixels and labels as `load_digits`, and `load_digits` itself
+    where the file is not where sklearn keeps it."""
+    from unittest import mock
+
+    from sklearn.datasets import load_digits
+    ref = load_digits()
+    pixels, labels = digits._raw_digits()
+    assert pixels.dtype == ref.images.dtype and np.array_equal(pixels, ref.images)
+    assert np.array_equal(labels, ref.target)
+    with mock.patch.object(digits.os.path, "exists", return_value=False):
+        pixels, labels = digits._raw_digits()
+    assert np.array_equal(pixels, ref.images) and np.array_equal(labels, ref.target)
+
+
 def test_digits_split_is_stratified_disjoint_and_normalised():
     from sklearn.datasets import load_digits
     labels = load_digits().target

@@ -1,5 +1,6 @@
 """Handwritten digits: scikit-learn's `load_digits` (1797 grey 8x8 images, 10 classes,
-shipped inside scikit-learn, so no download), as images for Inception-V3.
+shipped inside scikit-learn, so no download; its CSV is read without importing
+sklearn), as images for Inception-V3.
 
 * split: stratified, fixed seed: `test_fraction` of every class goes to "test", the
   rest to "train" (the same split on every machine; `seed` only shuffles batches);
@@ -16,6 +17,8 @@ are made per batch.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import numpy as np
 
@@ -52,12 +55,26 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = _SPLI
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
+    """(pixels [1797, 8, 8] in 0..16, labels [1797]): the CSV scikit-learn ships, read
+    directly (what `load_digits` reads), since importing sklearn takes 1-2 s of the
+    start-up; `load_digits` itself where that file is not found."""
+    spec = importlib.util.find_spec("sklearn")         # locates the package, runs nothing
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            rows = np.loadtxt(path, delimiter=",", dtype=np.float64)
+            return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    return digits.images, digits.target
+
+
 @functools.lru_cache(maxsize=2)
 def _load(image_size: int, test_fraction: float):
-    from sklearn.datasets import load_digits     # imported here: only this loader needs it
-    digits = load_digits()
-    images = digits.images.astype(np.float32) / 16.0                    # [N, 8, 8] in [0, 1]
-    labels = digits.target.astype(np.int32)
+    pixels, targets = _raw_digits()
+    images = pixels.astype(np.float32) / 16.0                           # [N, 8, 8] in [0, 1]
+    labels = targets.astype(np.int32)
     if image_size != images.shape[1]:
         m = bilinear_matrix(images.shape[1], image_size).astype(np.float32)
         images = m @ (images @ m.T)          # rows then columns: two batched matmuls
