@@ -48,13 +48,15 @@ def layer_rng(key: jax.Array, microbatch: jax.Array | int, layer_index: int) -> 
     return jax.random.fold_in(jax.random.fold_in(raw_key(key), microbatch), layer_index)
 
 
-def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = True):
-    """Initialises one layer; returns (unboxed variables, output on `x`)."""
+def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = True,
+               boxed: bool = False):
+    """Initialises one layer; returns (unboxed variables, output on `x`); `boxed`: the
+    variables as `init` returns them (logical-axis boxes kept)."""
     params_key, dropout_key = jax.random.split(key)
     kwargs = {"train": train} if takes_train(layer) else {}
     out, variables = layer.init_with_output(
         {"params": params_key, "dropout": dropout_key}, x, **kwargs)
-    return nn.meta.unbox(dict(variables)), out
+    return (dict(variables) if boxed else nn.meta.unbox(dict(variables))), out
 
 
 def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,

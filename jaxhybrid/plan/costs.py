@@ -360,6 +360,7 @@ COMPILE_THREADS = 2
 def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks) -> list[LayerCost]:
     import concurrent.futures
 
+    import flax.linen as nn
     import jax
 
     from jaxhybrid.layers import init_layer, layer_rng
@@ -378,6 +379,7 @@ def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks)
     try:
         for i, layer in enumerate(layers):
             init = functools.partial(init_layer, layer, train=train)
+            boxed = None   # the abstract init's boxed params: the "model" split dims
             if variables is not None:
                 lvars = dict(variables[i])
                 if not measure:
@@ -385,12 +387,14 @@ def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks)
             elif measure:
                 lvars, _ = jax.jit(init)(jax.random.fold_in(init_key, i), x)
             else:
-                lvars, _ = jax.eval_shape(init, jax.random.fold_in(init_key, i), x)
+                boxed, _ = jax.eval_shape(functools.partial(init, boxed=True),
+                                          jax.random.fold_in(init_key, i), x)
+                lvars, boxed = nn.meta.unbox(boxed), boxed.get("params", {})
             sig = (layer_signature(layer), _avals_text(x), _avals_text(lvars), i > 0)
             if measure or sig not in seen:
                 seen[sig] = _layer_cost(layer, lvars, x, layer_rng(drop_key, 0, i), i > 0,
                                         train=train, measure=measure, timing=timing,
-                                        peaks=peaks, pool=pool)
+                                        peaks=peaks, pool=pool, boxed_params=boxed)
             fields, y = seen[sig]
             per_layer.append(fields)
             x = y
@@ -406,11 +410,13 @@ def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks)
 
 
 def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks,
-                pool=None):
+                pool=None, boxed_params=None):
     """(LayerCost fields but name/batch_size/measured, the layer's output) of one layer on
     `x` with variables `lvars` (arrays when measuring, else ShapeDtypeStructs). With a
     thread `pool`, the fields are a Future: the layer is traced and lowered here, its
-    programs compiled (for XLA's cost analysis) on the pool."""
+    programs compiled (for XLA's cost analysis) on the pool. `boxed_params`: the
+    abstract init's boxed "params", when the caller has them (`model_terms` then need not
+    trace the initialiser again)."""
     import jax
     import jax.numpy as jnp
 
@@ -445,7 +451,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
                   **model_terms(layer, x, drop, diff_inputs, train=train,
-                                saved_bytes=int(saved.get("bytes", 0))))
+                                saved_bytes=int(saved.get("bytes", 0)),
+                                boxed_params=boxed_params))
 
     def compiled_costs() -> dict:
         fwd_flops, fwd_bytes = _xla_cost(fwd_c or _compile(fwd_lowered, False))

@@ -85,17 +85,22 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
     return float(stashed), _jaxpr_flops(fwd.jaxpr), _collectives(fwd.jaxpr), bwd
 
 
-def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: int) -> dict:
+def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: int,
+                boxed_params=None) -> dict:
     """The LayerCost model fields of `layer` on input x (see the module docstring); all 0
-    for a layer with no parameter split over "model"."""
+    for a layer with no parameter split over "model". `boxed_params`: the layer's boxed
+    abstract "params" when the caller has traced its initialiser already."""
     import flax.linen as nn
     import jax
 
     from jaxhybrid import tensor_parallel
-    from jaxhybrid.sharding import layer_split_dims
+    from jaxhybrid.sharding import layer_split_dims, model_split_dims
 
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-    boxed, dims = layer_split_dims(layer, x, train=train)
+    if boxed_params is None:
+        boxed, dims = layer_split_dims(layer, x, train=train)
+    else:
+        boxed, dims = boxed_params, model_split_dims(boxed_params)
     split = sum(_nbytes(leaf) for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(boxed)),
                                                   jax.tree.leaves(dims)) if d >= 0)
     zero = dict(model_param_bytes=0, model_saved_bytes=0, model_flops_fraction=0.0,
