@@ -63,6 +63,23 @@ def test_split_pipeline_weight_branches_run_no_forward_op():
         assert sb.num_weight_eqns and not prims & {"tanh", "exp", "log", "erf", "logistic"}, prims
 
 
+def test_stage_layouts_read_the_same_boundaries_as_an_abstract_run_of_the_stages():
+    # stage_layouts reads each stage's output off its vjp trace; the activation layouts
+    # must be those of the stage-by-stage abstract run the eval path uses.
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=2,
+                       schedule="1f1b", boundaries=[2, 4, 6], remat="none")
+    pipe.pack(mm.initial_per_layer())
+    inputs, labels = mm.make_batch(4)
+    mb_in, mb_tg = pipe._microbatch(inputs, "inputs"), pipe._microbatch(labels, "targets")
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    eng = pipe.engine()
+    trees = layouts.boundary_trees(eng, mb_in, True, key)
+    lay = layouts.stage_layouts(eng, mb_in, mb_tg, mm.loss_fn, True, key, split=False)
+    K = len(eng.stages)
+    internal, _ = packing.shared_layouts(trees[1:K], whole_min=None)
+    assert lay.act == [packing.layout_of(trees[0]), *internal, packing.layout_of(trees[K])]
+
+
 def test_runtime_runs_without_a_pipeline_object():
     # The tick program is built from explicit values: engine, layouts, control table.
     pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,

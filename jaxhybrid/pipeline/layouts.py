@@ -98,15 +98,20 @@ def floats(tree: PyTree) -> list:
 
 # --- one stage's forward and backward ---------------------------------------------------
 def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, gmb, loss_fn,
-                  num_microbatches: int, train: bool, residuals: Residuals):
+                  num_microbatches: int, train: bool, residuals: Residuals,
+                  output_shape: list | None = None):
     """Stage k under jax.vjp. Returns (loss / M on the last stage, else the output's float
-    leaves; kept residuals; new state; the output's other leaves)."""
+    leaves; kept residuals; new state; the output's other leaves). Appends the stage
+    output's abstract tree (even the last stage's, whose loss it returns) to
+    `output_shape` when given."""
     xf, xi, xmask = split_float(x)
     xdef = jax.tree.structure(x)
 
     def f(p, xf):
         y, new_state = stage.apply(p, state, merge_float(xdef, xmask, xf, xi), train=train,
                                    rng=rng, microbatch=gmb)
+        if output_shape is not None:
+            output_shape.append(jax.tree.map(_abstract, y))
         if last:
             return jnp.asarray(loss_fn(y, tgt), jnp.float32) / num_microbatches, (new_state, [])
         yf, yi, _ = split_float(y)
@@ -127,6 +132,12 @@ def backward_fn(residuals: Residuals, k: int, last: bool):
     return bwd
 
 
+def _abstract(a) -> jax.ShapeDtypeStruct:
+    """What `jax.eval_shape` gives for a traced value."""
+    aval = jax.typeof(a)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
 def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
     """Abstract input of every stage and the model's output, [x_0, ..., x_K], for one
     microbatch (no FLOPs)."""
@@ -143,19 +154,23 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
     """Abstractly runs every stage in order on one microbatch (no FLOPs) to learn its
     boundary, residual and (split) crossing layouts."""
     K = len(eng.stages)
-    trees = boundary_trees(eng, mb_inputs, train, rng)
+    # trees[k + 1], stage k's output, is read off stage k's trace (as boundary_trees
+    # would compute it, without tracing every stage a second time).
+    trees = [mb_inputs]
     kept_trees, residuals, splits, crosses, all_kept = [], Residuals(), [], [], []
     forwards = []
     gmb = jax.ShapeDtypeStruct((), jnp.int32)
-    for k, (stage, x) in enumerate(zip(eng.stages, trees)):
-        last = k == K - 1
+    for k, stage in enumerate(eng.stages):
+        last, output_shape = k == K - 1, []
 
-        def run(params, state, x, tgt, key, gmb, k=k, stage=stage, last=last):
+        def run(params, state, x, tgt, key, gmb, k=k, stage=stage, last=last,
+                output_shape=output_shape):
             return stage_forward(stage, k, last, params, state, x, tgt, key, gmb, loss_fn,
-                                 eng.num_microbatches, train, residuals)
+                                 eng.num_microbatches, train, residuals, output_shape)
 
         closed, shapes = tensor_parallel.make_jaxpr(run, return_shape=True)(
-            stage.abstract_params, stage.abstract_state, x, mb_targets, rng, gmb)
+            stage.abstract_params, stage.abstract_state, trees[k], mb_targets, rng, gmb)
+        trees.append(output_shape[-1])
         forwards.append(TracedForward(closed, jax.tree.structure(shapes)))
         out, kept = shapes[:2]
         # Residuals the backward can recompute cheaply from the others are not stashed.
