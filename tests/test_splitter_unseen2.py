@@ -355,3 +355,21 @@ def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, option
         want = (want[0], jnp.stack([_eval(model, native, x[i * mb:(i + 1) * mb])[1]
                                     for i in range(data * M)]))
     _close(got, want, "apply")
+
+
+# --- regressions --------------------------------------------------------------------
+class Tempered(nn.Module):
+    @nn.compact
+    def __call__(self, inputs):
+        return nn.Dense(3)(jnp.tanh(nn.Dense(8)(inputs["x"]))) / inputs["temperature"]
+
+
+def test_an_input_leaf_that_is_not_per_example_is_told_to_be_a_constant():
+    # A scalar among the inputs ({"x": [b, 5], "temperature": 0.5}): pipe.init failed
+    # with an IndexError reading the batch size off the first leaf (and a [3, 5] table
+    # would have been cut into microbatches). Now both say what to do.
+    x, t = _vec3(8, 0)
+    for inputs in ({"x": x, "temperature": np.float32(0.5)}, {"x": x, "temperature": x[:3]}):
+        pipe = jp.Pipeline(Tempered(), mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
+        with pytest.raises(ValueError, match=r"same leading batch dimension.*call_kwargs="):
+            pipe.init(jax.random.key(0), inputs)

@@ -65,6 +65,22 @@ def _checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
     return sched
 
 
+
+def _batch_size(tree: PyTree, what: str) -> int:
+    """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
+    naming the fix: the pipeline cuts each leaf into microbatches along it."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"Pipeline: {what} is empty.")
+    batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
+    if len(batch) != 1 or None in batch:
+        raise ValueError(
+            f"Pipeline: every leaf of {what} needs the same leading batch dimension (it is "
+            f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
+            f"that is not per-example (a temperature, a table) as a constant, e.g. in "
+            f"call_kwargs=, or tile it to the batch.")
+    return batch.pop()
+
 class Pipeline:
     """Runs `layers` (applied in order) as pipeline stages on `mesh.shape["pipe"]`
     devices (one stage each, or several with virtual stages), each replicated over
@@ -165,7 +181,7 @@ class Pipeline:
     # --- planning -------------------------------------------------------------------
     def _microbatch_sample(self, sample_inputs):
         """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
-        b = int(np.shape(jax.tree.leaves(sample_inputs)[0])[0])
+        b = _batch_size(sample_inputs, "sample_inputs")
         n = self.data * self.num_microbatches
         rows = b // n if b % n == 0 else b
         return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs)
@@ -427,14 +443,7 @@ class Pipeline:
 
     # --- execution ------------------------------------------------------------------
     def _microbatch(self, tree: PyTree, what: str) -> PyTree:
-        leaves = jax.tree.leaves(tree)
-        if not leaves:
-            raise ValueError(f"Pipeline: {what} is empty.")
-        batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
-        if len(batch) != 1 or None in batch:
-            raise ValueError(f"Pipeline: every leaf of {what} needs the same leading batch "
-                             f"dimension, got {sorted(map(str, batch))}.")
-        (b,) = batch
+        b = _batch_size(tree, what)
         n = self.data * self.num_microbatches
         if b % n:
             raise ValueError(f"Pipeline: {what} batch {b} is not divisible by data x "
