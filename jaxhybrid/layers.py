@@ -65,7 +65,7 @@ def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
     non-"params" collections (updated when training, unchanged otherwise)."""
     kwargs = {"train": train} if takes_train(layer) else {}
     state = {k: v for k, v in variables.items() if k != "params"}
-    rngs = {"dropout": rng} if (train and rng is not None) else {}
+    rngs = {"dropout": rng} if rng is not None else {}   # also in evaluation: a VAE samples
     if train and state:
         y, new_state = layer.apply(variables, x, rngs=rngs, mutable=list(state), **kwargs)
         return y, nn.meta.unbox(dict(new_state))

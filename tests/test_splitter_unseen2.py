@@ -373,3 +373,36 @@ def test_an_input_leaf_that_is_not_per_example_is_told_to_be_a_constant():
         pipe = jp.Pipeline(Tempered(), mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
         with pytest.raises(ValueError, match=r"same leading batch dimension.*call_kwargs="):
             pipe.init(jax.random.key(0), inputs)
+
+
+class VAE(nn.Module):
+    """Samples its latent in evaluation mode too; (reconstruction, KL) out."""
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(8)(x))
+        mu, logvar = nn.Dense(4)(h), nn.Dense(4)(h)
+        z = mu + jnp.exp(0.5 * logvar) * jax.random.normal(self.make_rng("dropout"), mu.shape)
+        kl = -0.5 * jnp.sum(1 + logvar - mu ** 2 - jnp.exp(logvar), -1)
+        return nn.Dense(5)(jnp.tanh(nn.Dense(8)(z))), kl
+
+
+def test_a_model_sampling_in_evaluation_mode_is_told_to_pass_rng_to_apply():
+    # pipe.apply(variables, x) of a VAE said "draws random numbers while training; pass
+    # rng=: pipe.apply(variables, inputs, train=True, ...)": the wrong mode and a fix that
+    # switches dropout on. It names evaluation mode and apply(..., rng=key) now, and that
+    # call gives the model's sample with microbatch g's key layer_rng(key, g, 0).
+    from jaxhybrid.layers import layer_rng
+    model, (x, _), M = VAE(), _vec(4, 0), 2
+    split = SplitModel(model, x[:2], max_pieces=4, min_pieces=2)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=M,
+                       boundaries=jp.even_boundaries(split.num_pieces, 2), remat="none")
+    variables = pipe.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"in evaluation mode \(train=False\).*"
+                                         r"pipe\.apply\(variables, inputs, rng=key\)\."):
+        pipe.apply(variables, x)
+    native, mb = pipe.unpack(variables), len(x) // M
+    got = pipe.apply(variables, x, rng=RNG)
+    want = [model.apply(native, x[g * mb:(g + 1) * mb], rngs={"dropout": layer_rng(RNG, g, 0)})
+            for g in range(M)]
+    _close(got[0], jnp.concatenate([w[0] for w in want]), "sample")
+    _close(got[1], jnp.concatenate([w[1] for w in want]), "kl")

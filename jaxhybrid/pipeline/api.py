@@ -579,7 +579,8 @@ class Pipeline:
         return self._cache[key](variables, inputs, rng)
 
     def _apply(self, variables, inputs, rng, *, train):
-        with _rng_hint("apply(variables, inputs, train=True, rng=key)"), \
+        with _rng_hint("apply(variables, inputs, train=True, rng=key)" if train else
+                       "apply(variables, inputs, rng=key)", train), \
                 tensor_parallel.degree(self.model):
             mb_in = self._microbatch(inputs, "inputs")
             rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
@@ -615,13 +616,15 @@ class Pipeline:
 
 
 @contextlib.contextmanager
-def _rng_hint(call: str):
-    """flax's missing-rng error names a module, not the fix; name the fix."""
+def _rng_hint(call: str, train: bool = True):
+    """flax's missing-rng error names a module, not the fix; name the fix (for the mode
+    the call runs in: a VAE samples in evaluation mode too)."""
     try:
         yield
     except flax.errors.InvalidRngError as e:
-        raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) while "
-                         f"training; pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
+        mode = "while training" if train else "in evaluation mode (train=False)"
+        raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) {mode}; "
+                         f"pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
 
 
 def _init_in_order(layers, rng, x) -> list[dict]:
