@@ -296,3 +296,23 @@ def test_script_sets_the_cpu_compile_flags_without_overriding_the_users():
                             "--xla_force_host_platform_device_count=8", *ours[1:]]
     assert devices.split() == ours
     assert gpu == ""
+
+
+_IMPORT_PROBE = """
+import json, sys
+import jaxhybrid.checkpoint, jaxhybrid.models, jaxhybrid.pipeline, jaxhybrid.train
+from jaxhybrid.data import digits
+digits._raw_digits()
+print(json.dumps([m for m in ("flax.nnx", "IPython", "sklearn") if m in sys.modules]))
+"""
+
+
+def test_a_layer_list_run_imports_neither_flax_nnx_nor_sklearn():
+    # flax.nnx pulls in IPython (~0.5 s) and sklearn takes 1-2 s: a run of the built-in
+    # models on digits needs neither, so neither is imported at start-up.
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

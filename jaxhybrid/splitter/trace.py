@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any
 
 import flax
@@ -23,10 +24,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 
 PyTree = Any
+
+
+def is_nnx_module(obj) -> bool:
+    """isinstance(obj, flax.nnx.Module) without importing flax.nnx: its import pulls in
+    IPython (~0.5 s of every start-up of a layer-list model). An object can only be an
+    NNX module once flax.nnx has been imported."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
+def _nnx():
+    """flax.nnx, imported only where an NNX model is handled."""
+    from flax import nnx
+    return nnx
 
 
 def _path_name(path) -> str:
@@ -70,7 +84,8 @@ class Adapter:
             return jax.tree.unflatten(self.treedef, leaves)
         if self.kind == "nnx":
             full = jax.tree.unflatten(self.treedef, leaves)
-            return full.filter(*[_NNX_TYPES.get(c, c) for c in sorted(keep)])
+            nnx_types = {"params": _nnx().Param, "batch_stats": _nnx().BatchStat}
+            return full.filter(*[nnx_types.get(c, c) for c in sorted(keep)])
         out: dict = {}
         for path, leaf, c in zip(self.paths, leaves, self.colls):
             if c not in keep:
@@ -83,7 +98,7 @@ class Adapter:
 
     def init_variables(self, rng, x):
         if self.kind == "nnx":
-            return nnx.state(self.model)
+            return _nnx().state(self.model)
         with jax.threefry_partitionable(False):
             return jax.jit(self.init_fn)(rng, jax.tree.map(lambda a: jnp.asarray(a)[:1], x))
 
@@ -134,6 +149,7 @@ class Adapter:
         return y, [leaves[i] for i in self.state_leaves]
 
     def _nnx_forward(self, leaves, x, key, train):
+        nnx = _nnx()
         for i, what in self.rng_leaves:
             a = self.avals[i]
             if what == "key":
@@ -159,14 +175,12 @@ class Adapter:
         return y, [jax.tree.leaves(by_path[self.names[i]])[0] for i in self.state_leaves]
 
 
-_NNX_TYPES = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
-
-
 def _unbox(tree, kind):
     return nn.meta.unbox(tree) if kind == "linen" else tree
 
 
 def _nnx_collection(var) -> str:
+    nnx = _nnx()
     if isinstance(var, nnx.Param):
         return "params"
     if isinstance(var, nnx.BatchStat):
@@ -218,7 +232,8 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
         a.avals = [jax.ShapeDtypeStruct(l.shape, l.dtype) for _, l in flat]
         a.program_vars, a.rng_leaves = list(range(len(flat))), []
         return a
-    if isinstance(model, nnx.Module):
+    if is_nnx_module(model):
+        nnx = _nnx()
         a = Adapter(model, call_kwargs, "nnx")
         _read_signature(a)
         a.graphdef, state = nnx.split(model)
