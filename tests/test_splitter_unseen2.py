@@ -24,7 +24,7 @@ import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
 from jaxhybrid.splitter import SplitModel
 from test_splitter import RNG, _close, _nnx_reference, mse, xent
-from test_splitter_unseen import _arrays, _eval
+from test_splitter_unseen import _eval, split_and_round_trip
 
 
 # --- linen models -------------------------------------------------------------------
@@ -314,30 +314,8 @@ def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, option
     _, batch, loss_fn, dropout = CASES[name]
     x, t = batch(data * M * 2, data + M)
     rng = RNG if dropout else None
-    mesh = jh.make_mesh(data=data, pipe=pipe_size)
-    options = dict(options)
-    stages = pipe_size * options.get("virtual_stages", 1)
-    if options.pop("planner", True):
-        pipe = jp.Pipeline(model, mesh=mesh, num_microbatches=M, schedule=schedule,
-                           remat="none", **options)
-    else:
-        split = SplitModel(model, jax.tree.map(lambda a: a[:a.shape[0] // (data * M)], x),
-                           max_pieces=8, min_pieces=stages)
-        pipe = jp.Pipeline(split, mesh=mesh, num_microbatches=M, schedule=schedule, remat="none",
-                           boundaries=jp.even_boundaries(split.num_pieces, stages), **options)
-    variables = pipe.init(jax.random.key(0), x)
-    native = pipe.unpack(variables)
-    if isinstance(model, nnx.Module):
-        want = nnx.state(model)
-    else:
-        want = jax.eval_shape(model.init, {"params": RNG, "dropout": RNG},
-                              jax.tree.map(lambda a: a[:1], x))
-    assert jax.tree.structure(native) == jax.tree.structure(want)
-    assert [(a.shape, a.dtype) for a in _arrays(native)] == \
-        [(a.shape, a.dtype) for a in _arrays(want)]
-    for a, b in zip(jax.tree.leaves(pipe.pack(native)), jax.tree.leaves(variables)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
+    pipe, variables, native = split_and_round_trip(model, x, data, pipe_size, schedule, M,
+                                                   options)
     loss, grads, new = pipe.value_and_grad(loss_fn)(variables, x, t, rng)
     ref_loss, ref_grads, ref_stats = _reference(model, native, loss_fn, x, t, data, M, rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
