@@ -290,6 +290,15 @@ def _eval(model, variables, x):
     return jax.jit(model.apply)(variables, x)
 
 
+def split_case(model, case, data, pipe_size, schedule, M, options):
+    """A CASES entry's batch (data x M microbatches of 2), loss, dropout rng, and the
+    model split on it (split_and_round_trip)."""
+    _, batch, loss_fn, dropout = case
+    x, t = batch(data * M * 2, data + M)
+    return x, t, loss_fn, RNG if dropout else None, split_and_round_trip(
+        model, x, data, pipe_size, schedule, M, options)
+
+
 def split_and_round_trip(model, x, data, pipe_size, schedule, M, options):
     """The model split, planned and initialised: with the planner's cuts (XLA cost
     analysis of the pieces), or with `planner=False` in options the user's own split and
@@ -333,11 +342,8 @@ def split_and_round_trip(model, x, data, pipe_size, schedule, M, options):
 ])
 def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, options):
     model = _model(name)
-    _, batch, loss_fn, dropout = CASES[name]
-    x, t = batch(data * M * 2, data + M)
-    rng = RNG if dropout else None
-    pipe, variables, native = split_and_round_trip(model, x, data, pipe_size, schedule, M,
-                                                   options)
+    x, t, loss_fn, rng, (pipe, variables, native) = split_case(
+        model, CASES[name], data, pipe_size, schedule, M, options)
     loss, grads, new = pipe.value_and_grad(loss_fn)(variables, x, t, rng)
     ref_loss, ref_grads, ref_stats = _reference(name, model, native, loss_fn, x, t, data, M, rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

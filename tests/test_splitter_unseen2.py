@@ -24,7 +24,7 @@ import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
 from jaxhybrid.splitter import SplitModel
 from test_splitter import RNG, _close, _nnx_reference, mse, xent
-from test_splitter_unseen import _eval, split_and_round_trip
+from test_splitter_unseen import _eval, split_case
 
 
 # --- linen models -------------------------------------------------------------------
@@ -311,11 +311,8 @@ def _reference(model, native, loss_fn, x, t, data, M, rng):
 ])
 def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, options):
     model = _model(name)
-    _, batch, loss_fn, dropout = CASES[name]
-    x, t = batch(data * M * 2, data + M)
-    rng = RNG if dropout else None
-    pipe, variables, native = split_and_round_trip(model, x, data, pipe_size, schedule, M,
-                                                   options)
+    x, t, loss_fn, rng, (pipe, variables, native) = split_case(
+        model, CASES[name], data, pipe_size, schedule, M, options)
     loss, grads, new = pipe.value_and_grad(loss_fn)(variables, x, t, rng)
     ref_loss, ref_grads, ref_stats = _reference(model, native, loss_fn, x, t, data, M, rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
