@@ -16,13 +16,12 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import numpy as np
 
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
                                    classification_metrics)
-from jaxhybrid.splitter.trace import is_nnx_module
+from jaxhybrid.splitter.trace import is_flax_module
 
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
 LOSSES = {
@@ -81,7 +80,7 @@ def build(path: str, kwargs: dict, loss: str | None, task: str, info: dict,
     """ModelSpec of the module `factory(**kwargs)` named by `path`, trained on a dataset of
     `task` (its `info`; `example`: one (inputs, targets) row of it)."""
     factory = import_object(path, "model.module")
-    if isinstance(factory, nn.Module) or is_nnx_module(factory):
+    if is_flax_module(factory):
         model = factory                      # a module instance named directly
     else:
         try:
@@ -89,7 +88,7 @@ def build(path: str, kwargs: dict, loss: str | None, task: str, info: dict,
         except TypeError as e:
             raise ValueError(f"model.module={path!r}: calling it with model.kwargs={kwargs} "
                              f"failed ({e}); fix model.kwargs.") from None
-    if not (isinstance(model, nn.Module) or is_nnx_module(model)):
+    if not is_flax_module(model):
         raise ValueError(f"model.module={path!r} gave a {type(model).__name__}, not a "
                          f"flax.linen.Module or flax.nnx.Module; name a factory that "
                          f"returns the model.")

@@ -65,7 +65,6 @@ def _checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
     return sched
 
 
-
 def _batch_size(tree: PyTree, what: str) -> int:
     """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
     naming the fix: the pipeline cuts each leaf into microbatches along it."""
@@ -80,6 +79,7 @@ def _batch_size(tree: PyTree, what: str) -> int:
             f"that is not per-example (a temperature, a table) as a constant, e.g. in "
             f"call_kwargs=, or tile it to the batch.")
     return batch.pop()
+
 
 class Pipeline:
     """Runs `layers` (applied in order) as pipeline stages on `mesh.shape["pipe"]`

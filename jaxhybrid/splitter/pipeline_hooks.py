@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.splitter.model import SplitModel
-from jaxhybrid.splitter.trace import is_nnx_module
+from jaxhybrid.splitter.trace import is_flax_module
 
 
 class _PendingPiece(nn.Module):
@@ -33,7 +33,7 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
     if isinstance(layers, SplitModel):
         s = ModelSplitter(layers.model, call_kwargs, layers)
         return s, s.split.layers
-    if not (isinstance(layers, nn.Module) or is_nnx_module(layers)):
+    if not is_flax_module(layers):
         if call_kwargs:
             raise ValueError("Pipeline: call_kwargs= is for a single model, not a list of layers.")
         return None, layers

@@ -32,15 +32,15 @@ PyTree = Any
 def is_nnx_module(obj) -> bool:
     """isinstance(obj, flax.nnx.Module) without importing flax.nnx: its import pulls in
     IPython (~0.5 s of every start-up of a layer-list model). An object can only be an
-    NNX module once flax.nnx has been imported."""
+    NNX module once flax.nnx has been imported; so the functions below that handle an
+    NNX model import it themselves."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(obj, nnx.Module)
 
 
-def _nnx():
-    """flax.nnx, imported only where an NNX model is handled."""
-    from flax import nnx
-    return nnx
+def is_flax_module(obj) -> bool:
+    """A linen or an NNX module (a whole model, not a list of layers)."""
+    return isinstance(obj, nn.Module) or is_nnx_module(obj)
 
 
 def _path_name(path) -> str:
@@ -84,7 +84,8 @@ class Adapter:
             return jax.tree.unflatten(self.treedef, leaves)
         if self.kind == "nnx":
             full = jax.tree.unflatten(self.treedef, leaves)
-            nnx_types = {"params": _nnx().Param, "batch_stats": _nnx().BatchStat}
+            from flax import nnx
+            nnx_types = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
             return full.filter(*[nnx_types.get(c, c) for c in sorted(keep)])
         out: dict = {}
         for path, leaf, c in zip(self.paths, leaves, self.colls):
@@ -98,7 +99,8 @@ class Adapter:
 
     def init_variables(self, rng, x):
         if self.kind == "nnx":
-            return _nnx().state(self.model)
+            from flax import nnx
+            return nnx.state(self.model)
         with jax.threefry_partitionable(False):
             return jax.jit(self.init_fn)(rng, jax.tree.map(lambda a: jnp.asarray(a)[:1], x))
 
@@ -149,7 +151,7 @@ class Adapter:
         return y, [leaves[i] for i in self.state_leaves]
 
     def _nnx_forward(self, leaves, x, key, train):
-        nnx = _nnx()
+        from flax import nnx
         for i, what in self.rng_leaves:
             a = self.avals[i]
             if what == "key":
@@ -180,7 +182,7 @@ def _unbox(tree, kind):
 
 
 def _nnx_collection(var) -> str:
-    nnx = _nnx()
+    from flax import nnx
     if isinstance(var, nnx.Param):
         return "params"
     if isinstance(var, nnx.BatchStat):
@@ -233,7 +235,7 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
         a.program_vars, a.rng_leaves = list(range(len(flat))), []
         return a
     if is_nnx_module(model):
-        nnx = _nnx()
+        from flax import nnx
         a = Adapter(model, call_kwargs, "nnx")
         _read_signature(a)
         a.graphdef, state = nnx.split(model)
