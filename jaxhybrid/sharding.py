@@ -25,6 +25,7 @@ the heterogeneous test model) runs replicated within its model group.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import flax.linen as nn
@@ -85,15 +86,51 @@ def model_split_dims(boxed: Any) -> Any:
     return jax.tree.map(dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False) -> tuple[Any, Any]:
-    """(the layer's boxed abstract variables from `init` on input x, its "params" tree
-    of dims split over "model" by `model_split_dims`). No FLOPs, nothing allocated."""
+def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
+                     boxed_params: Any = None) -> tuple[Any, Any]:
+    """(the layer's boxed abstract "params" from `init` on input x, or `boxed_params` when
+    the caller traced them already; its tree of dims split over "model"). A layer splits
+    the dims its logical names put on "model" (`model_split_dims`) only if it is written
+    for tensor parallelism, i.e. builds them at 1 / T of their width at model degree T
+    (`jaxhybrid.tensor_parallel.local`); one that builds them whole (any Flax layer
+    annotated with "mlp" or "heads" for GSPMD-style sharding) is kept whole and runs
+    replicated in its model group, as it would compute wrongly on a slice. No FLOPs,
+    nothing allocated."""
+    params = boxed_params
+    if params is None:
+        params = _abstract_init(layer, x, train).get("params", {})
+    dims = model_split_dims(params)
+    if any(d >= 0 for d in jax.tree.leaves(dims)) and not _builds_local_shapes(
+            layer, x, train, params, dims):
+        dims = jax.tree.map(lambda d: -1, dims)
+    return params, dims
+
+
+def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
+    from jaxhybrid import tensor_parallel
     from jaxhybrid.layers import takes_train
     kwargs = {"train": train} if takes_train(layer) else {}
-    boxed = jax.eval_shape(lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs),
-                           jax.random.key(0), x)
-    params = boxed.get("params", {})
-    return params, model_split_dims(params)
+    return tensor_parallel.eval_shape(
+        lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs), jax.random.key(0), x)
+
+
+def _builds_local_shapes(layer: nn.Module, x: Any, train: bool, params: Any, dims: Any) -> bool:
+    """Whether `layer` builds its "model"-split dims at 1 / T of their width when traced at
+    model degree T (the smallest T > 1 that divides them all and the layer accepts)."""
+    from jaxhybrid import tensor_parallel
+    full = [(leaf.shape, d) for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(params)),
+                                               jax.tree.leaves(dims)) if d >= 0]
+    width = math.gcd(*(shape[d] for shape, d in full))
+    for t in (t for t in range(2, width + 1) if width % t == 0):
+        try:
+            with tensor_parallel.degree(t):
+                local = _abstract_init(layer, x, train).get("params", {})
+        except ValueError:    # e.g. 6 heads at degree 2 of a layer that also splits 3
+            continue
+        shapes = [leaf.shape for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(local)),
+                                                jax.tree.leaves(dims)) if d >= 0]
+        return any(s[d] != shape[d] for s, (shape, d) in zip(shapes, full))
+    return True   # no degree divides them: `model_shards.shard` names the divisors
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ parameters split over "model" where the rules say so, ZeRO on top, and hundreds 
 steps at 8 devices without a hang (collectives over "model" inside stage branches)."""
 import functools
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -23,9 +24,31 @@ GPT = models.get_model("gpt", "tiny", num_heads=4)
 MIXED = mm.make_layers()
 
 
+class AnnotatedMLP(nn.Module):
+    """A researcher's residual MLP annotated for GSPMD-style sharding ("mlp" on its hidden
+    dimension), not written for tensor parallelism: it builds its kernels whole at any
+    model degree, so the pipeline must keep it whole on every model shard."""
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), ("mlp",)))(x)
+        return x + nn.Dense(x.shape[-1], kernel_init=nn.with_logical_partitioning(
+            init, ("mlp", "embed")))(nn.gelu(h))
+
+
+# GPT tiny with a user's annotated MLP after the blocks: written-for-TP blocks split over
+# "model", the user's layer kept whole (replicated), in one pipeline.
+GPT_USER = [*GPT.layers[:-1], AnnotatedMLP(), GPT.layers[-1]]
+
+
 def _model(name):
     if name == "gpt":
         return GPT.layers, GPT.loss_fn, lambda n, seed: GPT.sample_batch(n, seed)
+    if name == "gpt+user":
+        return GPT_USER, GPT.loss_fn, lambda n, seed: GPT.sample_batch(n, seed)
     return MIXED, mm.loss_fn, mm.make_batch
 
 
@@ -55,7 +78,8 @@ PIPELINED_MESHES = ((1, 2, 2), (2, 2, 2), (1, 4, 2))
 CASES = ([("mixed", *mesh, s) for mesh in PIPELINED_MESHES for s in SYNC_SCHEDULES]
          + [("mixed", 2, 1, 4, "gpipe"),
             ("gpt", 1, 2, 2, "1f1b"), ("gpt", 2, 2, 2, "zb-h1"), ("gpt", 1, 4, 2, "gpipe"),
-            ("gpt", 2, 1, 4, "1f1b"), ("gpt", 1, 2, 2, "interleaved"), ("gpt", 2, 2, 2, "zbv")])
+            ("gpt", 2, 1, 4, "1f1b"), ("gpt", 1, 2, 2, "interleaved"), ("gpt", 2, 2, 2, "zbv"),
+            ("gpt+user", 1, 2, 2, "1f1b"), ("gpt+user", 2, 2, 2, "zb-h1")])
 
 
 @pytest.mark.parametrize("name,data,pipe_size,model,schedule", CASES)
@@ -96,6 +120,34 @@ def test_gpt_blocks_are_split_over_model_and_the_rest_replicated():
     assert not np.array_equal(rows[0], rows[1])
     for a, b in zip(jax.tree.leaves(pipe.unpack(variables)), jax.tree.leaves(_per_layer("gpt"))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_layer_annotated_but_not_written_for_tensor_parallelism_is_kept_whole():
+    """Logical names alone do not split a layer: one that builds "mlp" whole at degree 2
+    would compute on half a kernel; it is replicated (and the user told), while the GPT
+    blocks beside it still split; the planner prices it whole too."""
+    from jaxhybrid.plan.model_axis import model_terms
+    with pytest.warns(UserWarning, match="AnnotatedMLP names a dimension 'heads' or 'mlp'"):
+        pipe, variables = _pipeline("gpt+user", 1, 2, 2, "1f1b", 2)
+    user = pipe._layer_vars[len(GPT.layers) - 1]["params"]
+    assert user["Dense_0"]["kernel"].shape == (32, 64) and user["Dense_0"]["bias"].shape == (64,)
+    assert pipe._layer_vars[1]["params"]["c_fc"]["kernel"].shape == (32, 64)   # 128 / 2
+    for a, b in zip(jax.tree.leaves(pipe.unpack(variables)), jax.tree.leaves(_per_layer("gpt+user"))):
+        np.testing.assert_array_equal(a, b)
+    x = jax.ShapeDtypeStruct((2, 16, 32), np.float32)
+    terms = model_terms(AnnotatedMLP(), x, 0.0, True, train=True, saved_bytes=1000)
+    assert terms["model_param_bytes"] == 0 and terms["model_flops_fraction"] == 0.0
+    # The gradients unpack directly (the packed "params" buffers alone) as {"params": ...}.
+    inputs, targets = GPT.sample_batch(4, 1)
+    _, grads, _ = pipe.value_and_grad(GPT.loss_fn)(variables, inputs, targets, RNG)
+    direct = pipe.unpack(grads)
+    assert all(set(v) <= {"params"} for v in direct)
+    for a, b in zip(jax.tree.leaves(direct),
+                    jax.tree.leaves([{"params": v["params"]} if "params" in v else {}
+                                     for v in pipe.unpack({**variables, "params": grads})])):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="pass packed variables .* or packed gradients"):
+        pipe.unpack({"opt": grads})
 
 
 def test_make_mesh_model_axis_and_bad_degrees():

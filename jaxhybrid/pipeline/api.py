@@ -427,11 +427,20 @@ class Pipeline:
         return [nn.meta.unbox(dict(v)) for v in per_layer]
 
     def unpack(self, variables: dict) -> list[dict]:
-        """Packed variables -> list of per-layer flax variable dicts (numpy, portable)."""
+        """Packed variables -> list of per-layer flax variable dicts (numpy, portable).
+        Packed gradients (`value_and_grad`'s grads: the "params" buffers alone) unpack
+        to per-layer {"params": ...} dicts."""
         self._require_vars()
+        if "params" not in variables:
+            keys = {k for d in self.param_layouts for k in d["params"].size_of}
+            if not variables or not set(variables) <= keys:
+                raise ValueError(f"Pipeline.unpack: got a tree with keys {sorted(variables)}; "
+                                 "pass packed variables (from pipe.init or a step) or packed "
+                                 f"gradients (buffers {sorted(keys)}).")
+            variables = {"params": variables}
         host = jax.device_get(variables)
         per_layer = [dict() for _ in self.layers]
-        for c in ["params", *self.state_collections]:
+        for c in ["params", *(c for c in self.state_collections if c in host)]:
             for d, layers in enumerate(self.device_layers):
                 shards = [packing.unpack_numpy(self.param_layouts[d][c],
                                                {k: v[d * self.model + j] for k, v in host[c].items()})

@@ -8,21 +8,32 @@ Dims are given per leaf as an int (-1: not split).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxhybrid.sharding import layer_split_dims
+from jaxhybrid.sharding import TENSOR_PARALLEL_AXES, layer_split_dims, model_split_dims
 
 PyTree = Any
 
 
 def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
     """The layer's "params" tree of dims split over "model", from its abstract init on
-    input x (still boxed with the logical names; no FLOPs)."""
-    return layer_split_dims(layer, x)[1]
+    input x (still boxed with the logical names; no FLOPs). A layer whose names put
+    dims on "model" but that is not written for tensor parallelism is kept whole, and
+    the user is told once (it costs memory and compute on every model shard)."""
+    params, dims = layer_split_dims(layer, x)
+    named = [d for d in jax.tree.leaves(model_split_dims(params)) if d >= 0]
+    if named and all(d < 0 for d in jax.tree.leaves(dims)):
+        warnings.warn(f"Pipeline: {type(layer).__name__} names a dimension 'heads' or 'mlp' "
+                      "for 'model' but builds them whole at model degree > 1, so it runs "
+                      "replicated in its model group; to split it, build them with "
+                      "jaxhybrid.tensor_parallel.local and join with its collectives.",
+                      stacklevel=4)
+    return dims
 
 
 def shard(tree: PyTree, dims: PyTree | None, model: int, j: int, what: str, xp=np) -> PyTree:

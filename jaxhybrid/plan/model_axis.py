@@ -4,8 +4,9 @@
 Which parts of a layer are split over "model" is not listed per model: `profile` reads
 it from the layer itself (`model_terms`):
 
-* parameters: the leaves whose logical axis names the rules map to "model"
-  (`sharding.model_split_dims` of the layer's boxed abstract init) -> `model_param_bytes`;
+* parameters: the leaves whose logical axis names the rules map to "model", in a layer
+  written for tensor parallelism (`sharding.layer_split_dims`: one that builds them
+  whole at degree T is kept whole) -> `model_param_bytes`;
 * residuals, matmul FLOPs and collectives: the layer is traced once more, abstractly, at
   degree 2 (`tensor_parallel.degree(2)`, "model" bound by `make_jaxpr`; 3, 5 or 7 when
   its split dimensions are odd), which is how the pipeline runs it. With R replicated
@@ -94,13 +95,10 @@ def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: 
     import jax
 
     from jaxhybrid import tensor_parallel
-    from jaxhybrid.sharding import layer_split_dims, model_split_dims
+    from jaxhybrid.sharding import layer_split_dims
 
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-    if boxed_params is None:
-        boxed, dims = layer_split_dims(layer, x, train=train)
-    else:
-        boxed, dims = boxed_params, model_split_dims(boxed_params)
+    boxed, dims = layer_split_dims(layer, x, train=train, boxed_params=boxed_params)
     split = sum(_nbytes(leaf) for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(boxed)),
                                                   jax.tree.leaves(dims)) if d >= 0)
     zero = dict(model_param_bytes=0, model_saved_bytes=0, model_flops_fraction=0.0,
