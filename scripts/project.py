@@ -71,6 +71,32 @@ def _points(items):
     return pts
 
 
+def _ints(flag: str, items, minimum: int) -> list[int]:
+    """--flag=a,b,c -> [a, b, c], each a whole number >= minimum (else one line naming it)."""
+    out = []
+    for item in items:
+        text = str(item).strip()
+        if not (text.lstrip("-").isdigit() and int(text) >= minimum):
+            raise ValueError(f"--{flag} entry {item!r}: write whole numbers >= {minimum}, "
+                             f"comma-separated, e.g. --{flag}={minimum},{2 * max(minimum, 1)}.")
+        out.append(int(text))
+    return out
+
+
+def _check_model():
+    """The model must have reference costs (--costs=reference) or be a jaxhybrid model."""
+    from jaxhybrid.models import MODEL_NAMES
+    from jaxhybrid.plan.reference_costs import PAPER_MODELS
+    if FLAGS.costs == "reference" and FLAGS.model not in PAPER_MODELS:
+        hint = ("; to project it, use --costs=profile --per_worker_batch=N" if FLAGS.model in MODEL_NAMES
+                else f"; jaxhybrid models for --costs=profile: {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"--model={FLAGS.model!r} has no reference costs: choose one of "
+                         f"{', '.join(PAPER_MODELS)}{hint}.")
+    if FLAGS.costs != "reference" and FLAGS.model not in MODEL_NAMES:
+        raise ValueError(f"--model={FLAGS.model!r} is not a jaxhybrid model; choose one of "
+                         f"{', '.join(MODEL_NAMES)}.")
+
+
 def stat_curve():
     """The statistical-efficiency curve the flags ask for (None: the model's default)."""
     from jaxhybrid.plan import stat_efficiency as se
@@ -99,10 +125,17 @@ def main(argv):
     del argv
     from jaxhybrid.plan import hybrid
     try:
-        devices = [int(d) for d in FLAGS.devices]
         costs = FLAGS.costs
         if costs not in ("reference", "profile", "measured"):
             raise ValueError(f"--costs={costs!r}: choose reference, profile or measured.")
+        _check_model()
+        devices = _ints("devices", FLAGS.devices, 1)
+        degrees = _ints("model_degrees", FLAGS.model_degrees, 1)
+        zero = _ints("zero", FLAGS.zero, 0)
+        if not set(zero) <= {0, 1}:
+            raise ValueError(f"--zero={','.join(FLAGS.zero)}: ZeRO settings are 0 (replicated "
+                             f"optimizer state) and 1 (sharded over data), e.g. --zero=0,1.")
+        microbatches = _ints("microbatches", FLAGS.microbatches, 1) if FLAGS.microbatches else None
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile
@@ -112,9 +145,7 @@ def main(argv):
             FLAGS.model, devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
             stat=stat_curve(), costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
             schedules=FLAGS.schedules, max_pipe=FLAGS.max_pipe,
-            model_degrees=[int(t) for t in FLAGS.model_degrees],
-            zero=[int(z) for z in FLAGS.zero],
-            microbatches=[int(m) for m in FLAGS.microbatches] if FLAGS.microbatches else None)
+            model_degrees=degrees, zero=zero, microbatches=microbatches)
     except ValueError as e:
         sys.exit(f"project.py: {e}")
     if FLAGS.json:
