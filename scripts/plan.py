@@ -56,7 +56,11 @@ def build_config():
     if not config.model.get("name"):
         raise app.UsageError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
     # -1 (as in make_mesh): the devices left over, on the topology if given, else this host.
-    data, pipe = config.mesh.get("data") or 1, config.mesh.get("pipe") or 1
+    # None: not set (one); 0 stays 0, so that plan_from_config names it.
+    data, pipe = (1 if v is None else v for v in (config.mesh.get("data"), config.mesh.get("pipe")))
+    for name, v in (("data (--data)", data), ("pipe (--stages)", pipe)):
+        if v != -1 and v < 1:
+            raise ValueError(f"mesh.{name}={v} must be >= 1, or -1 for the devices left over.")
     if -1 in (data, pipe):
         if data == pipe:
             raise app.UsageError("mesh.data and mesh.pipe are both -1; set --stages or --data.")

@@ -371,6 +371,8 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
         raise ValueError(f"plan_from_config: mesh data={data} x pipe={S} must both be >= 1 "
                          f"(planning needs explicit sizes, not -1).")
     M = int(get("pipeline", "num_microbatches", 1))
+    if M < 1:
+        raise ValueError(f"plan_from_config: pipeline.num_microbatches={M} must be >= 1.")
     batch = int(get("train", "batch_size", M * data))
     if batch % (data * M):
         raise ValueError(f"plan_from_config: train.batch_size={batch} is not divisible by data={data} "
