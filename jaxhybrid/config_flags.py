@@ -198,3 +198,16 @@ def define_config_flag(name: str = "config", default: str | None = None,
 
 __all__ = ["CONFIG_DIR", "available_configs", "base_config", "config_keys",
            "define_config_flag", "load_config", "resolve_config_path", "set_dotted"]
+
+
+def int_list(flag: str, items, minimum: int = 1) -> list[int]:
+    """A list flag's entries (`--flag=a,b,c`, absl's DEFINE_list) as whole numbers >=
+    `minimum`; a bad entry is a ValueError naming the flag and the fix."""
+    out = []
+    for item in items:
+        text = str(item).strip()
+        if not (text.lstrip("-").isdigit() and int(text) >= minimum):
+            raise ValueError(f"--{flag} entry {item!r}: write whole numbers >= {minimum}, "
+                             f"comma-separated, e.g. --{flag}={minimum},{2 * max(minimum, 1)}.")
+        out.append(int(text))
+    return out

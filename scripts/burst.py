@@ -91,9 +91,32 @@ def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: flo
     return rows, plans
 
 
+def check_flags() -> list[int]:
+    """The device counts; every flag checked before any model is profiled."""
+    from jaxhybrid.config_flags import int_list
+    from jaxhybrid.models import registered_models
+    from jaxhybrid.plan.hardware import get_hardware
+    names = registered_models()
+    unknown = [m for m in FLAGS.model if m not in names]
+    if unknown:
+        raise ValueError(f"--model: unknown {unknown}; choose from {', '.join(names)}.")
+    for hw in FLAGS.hardware:
+        get_hardware(hw)   # names the presets
+    for flag in ("batch", "bg_batch"):
+        if FLAGS[flag].value < 1:
+            raise ValueError(f"--{flag}={FLAGS[flag].value} must be >= 1.")
+    if not 0 < FLAGS.mux_efficiency <= 1:
+        raise ValueError(f"--mux_efficiency={FLAGS.mux_efficiency:g} is a share of idle time: "
+                         f"give a number in (0, 1].")
+    return int_list("devices", FLAGS.devices, 1)
+
+
 def main(argv):
     del argv
-    devices = [int(d) for d in FLAGS.devices]
+    try:
+        devices = check_flags()
+    except ValueError as e:
+        sys.exit(f"burst.py: {e}")
     out = {"paper": PAPER, "batch": FLAGS.batch, "bg_batch": FLAGS.bg_batch,
            "amplification_limit": FLAGS.amplification_limit,
            "mux_efficiency": FLAGS.mux_efficiency, "results": []}
@@ -101,9 +124,12 @@ def main(argv):
         costs = model_costs(name, FLAGS.size, FLAGS.cache_dir)
         branches = branch_costs(name, FLAGS.size) if FLAGS.branches else None
         for hw in FLAGS.hardware:
-            rows, plans = project(costs, hw, devices, FLAGS.batch, FLAGS.bg_batch,
-                                  FLAGS.amplification_limit, FLAGS.fast_layer_time,
-                                  FLAGS.mux_efficiency, branches)
+            try:
+                rows, plans = project(costs, hw, devices, FLAGS.batch, FLAGS.bg_batch,
+                                      FLAGS.amplification_limit, FLAGS.fast_layer_time,
+                                      FLAGS.mux_efficiency, branches)
+            except ValueError as e:   # the planner's checks (amplification limit, ...)
+                sys.exit(f"burst.py: {e}")
             out["results"].append({"model": name, "size": FLAGS.size, "hardware": hw, "rows": rows})
             if FLAGS.plot:
                 plans[-1].plot(FLAGS.plot, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")

@@ -71,30 +71,20 @@ def _points(items):
     return pts
 
 
-def _ints(flag: str, items, minimum: int) -> list[int]:
-    """--flag=a,b,c -> [a, b, c], each a whole number >= minimum (else one line naming it)."""
-    out = []
-    for item in items:
-        text = str(item).strip()
-        if not (text.lstrip("-").isdigit() and int(text) >= minimum):
-            raise ValueError(f"--{flag} entry {item!r}: write whole numbers >= {minimum}, "
-                             f"comma-separated, e.g. --{flag}={minimum},{2 * max(minimum, 1)}.")
-        out.append(int(text))
-    return out
-
-
 def _check_model():
     """The model must have reference costs (--costs=reference) or be a jaxhybrid model."""
-    from jaxhybrid.models import MODEL_NAMES
+    from jaxhybrid.models import registered_models
     from jaxhybrid.plan.reference_costs import PAPER_MODELS
+    names = registered_models()
     if FLAGS.costs == "reference" and FLAGS.model not in PAPER_MODELS:
-        hint = ("; to project it, use --costs=profile --per_worker_batch=N" if FLAGS.model in MODEL_NAMES
-                else f"; jaxhybrid models for --costs=profile: {', '.join(MODEL_NAMES)}")
+        hint = (f"; jaxhybrid models for --costs=profile: {', '.join(names)}"
+                if FLAGS.model not in names
+                else "; to project it, use --costs=profile --per_worker_batch=N")
         raise ValueError(f"--model={FLAGS.model!r} has no reference costs: choose one of "
                          f"{', '.join(PAPER_MODELS)}{hint}.")
-    if FLAGS.costs != "reference" and FLAGS.model not in MODEL_NAMES:
+    if FLAGS.costs != "reference" and FLAGS.model not in names:
         raise ValueError(f"--model={FLAGS.model!r} is not a jaxhybrid model; choose one of "
-                         f"{', '.join(MODEL_NAMES)}.")
+                         f"{', '.join(names)}.")
 
 
 def stat_curve():
@@ -123,19 +113,20 @@ def stat_curve():
 
 def main(argv):
     del argv
+    from jaxhybrid.config_flags import int_list
     from jaxhybrid.plan import hybrid
     try:
         costs = FLAGS.costs
         if costs not in ("reference", "profile", "measured"):
             raise ValueError(f"--costs={costs!r}: choose reference, profile or measured.")
         _check_model()
-        devices = _ints("devices", FLAGS.devices, 1)
-        degrees = _ints("model_degrees", FLAGS.model_degrees, 1)
-        zero = _ints("zero", FLAGS.zero, 0)
+        devices = int_list("devices", FLAGS.devices, 1)
+        degrees = int_list("model_degrees", FLAGS.model_degrees, 1)
+        zero = int_list("zero", FLAGS.zero, 0)
         if not set(zero) <= {0, 1}:
             raise ValueError(f"--zero={','.join(FLAGS.zero)}: ZeRO settings are 0 (replicated "
                              f"optimizer state) and 1 (sharded over data), e.g. --zero=0,1.")
-        microbatches = _ints("microbatches", FLAGS.microbatches, 1) if FLAGS.microbatches else None
+        microbatches = int_list("microbatches", FLAGS.microbatches, 1) if FLAGS.microbatches else None
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile

@@ -342,3 +342,19 @@ def test_branches_run_side_by_side_when_layers_cannot_widen():
     busy = p.busy_time()
     assert busy[0] == pytest.approx(10e-3, rel=1e-6)      # layers 0, 2 and branch 0
     assert busy[1] == pytest.approx(4e-3, rel=1e-6) and busy[2] == 0.0   # branch 1
+
+@pytest.mark.parametrize("flag,message", [
+    ("--model=resnet", "--model: unknown ['resnet']; choose from"),
+    ("--devices=8,abc", "--devices entry 'abc': write whole numbers >= 1"),
+    ("--hardware=tpu", "unknown hardware 'tpu'"),
+    ("--bg_batch=0", "--bg_batch=0 must be >= 1"),
+    ("--mux_efficiency=2", "give a number in (0, 1]"),
+    ("--amplification_limit=0.5", "amplification_limit=0.5 must be >= 1"),
+])
+def test_burst_script_bad_flags_fail_in_one_line(tmp_path, flag, message):
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "burst.py"), "--model=inception_v3",
+         "--devices=8", "--hardware=v100_dgx1", f"--cache_dir={tmp_path}", flag],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("burst.py: ") and message in r.stderr
