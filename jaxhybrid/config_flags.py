@@ -200,14 +200,32 @@ __all__ = ["CONFIG_DIR", "available_configs", "base_config", "config_keys",
            "define_config_flag", "load_config", "resolve_config_path", "set_dotted"]
 
 
-def int_list(flag: str, items, minimum: int = 1) -> list[int]:
-    """A list flag's entries (`--flag=a,b,c`, absl's DEFINE_list) as whole numbers >=
-    `minimum`; a bad entry is a ValueError naming the flag and the fix."""
-    out = []
-    for item in items:
-        text = str(item).strip()
-        if not (text.lstrip("-").isdigit() and int(text) >= minimum):
-            raise ValueError(f"--{flag} entry {item!r}: write whole numbers >= {minimum}, "
-                             f"comma-separated, e.g. --{flag}={minimum},{2 * max(minimum, 1)}.")
-        out.append(int(text))
-    return out
+
+
+class IntListParser(flags.ListParser):
+    """absl parser of a comma-separated list of whole numbers >= `minimum`: a bad entry
+    stops flag parsing with one line naming the flag, the entry and the form to use."""
+
+    def __init__(self, minimum: int = 1):
+        super().__init__()
+        self.minimum = minimum
+
+    def parse(self, argument) -> list[int]:
+        out = []
+        for item in super().parse(argument):
+            text = str(item).strip()
+            if not (text.lstrip("-").isdigit() and int(text) >= self.minimum):
+                raise ValueError(f"{item!r} is not a whole number >= {self.minimum}; write e.g. "
+                                 f"{self.minimum},{2 * max(self.minimum, 1)}")
+            out.append(int(text))
+        return out
+
+    def flag_type(self) -> str:
+        return "comma-separated list of ints"
+
+
+def define_int_list(name: str, default, help: str, minimum: int = 1) -> None:   # noqa: A002
+    """absl's DEFINE_list for whole numbers: `FLAGS.<name>` is a list of ints, checked
+    when the flags are parsed (`IntListParser`)."""
+    flags.DEFINE(IntListParser(minimum), name, default, help,
+                 serializer=flags.CsvListSerializer(","))

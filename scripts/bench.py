@@ -32,7 +32,13 @@ def main() -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     from absl import app
     module = importlib.import_module(MODES[mode])   # defines only this mode's flags
-    app.run(module.main)
+
+    def run(argv):
+        try:
+            module.main(argv)
+        except ValueError as e:   # jaxhybrid's input errors: one line naming the fix
+            raise SystemExit(f"bench {mode}: {e}") from None
+    app.run(run)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxhybrid.config_flags import define_int_list  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["vgg16", "wrn", "inception_v3"], "models (jaxhybrid.models names)")
 flags.DEFINE_string("size", "full", "model size preset: tiny | small | full")
-flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"], "cluster sizes")
+define_int_list("devices", "8,16,32,64,128,256,512,1024", "cluster sizes")
 flags.DEFINE_list("hardware", ["v100_dgx1", "h100_dgx"], "jaxhybrid.plan.hardware presets")
 flags.DEFINE_integer("batch", 1024, "global batch (fixed: strong scaling)")
 flags.DEFINE_integer("bg_batch", 32, "background job's batch per device instance")
@@ -91,9 +92,8 @@ def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: flo
     return rows, plans
 
 
-def check_flags() -> list[int]:
-    """The device counts; every flag checked before any model is profiled."""
-    from jaxhybrid.config_flags import int_list
+def check_flags() -> None:
+    """Every flag checked before any model is profiled (the lists by their parsers)."""
     from jaxhybrid.models import registered_models
     from jaxhybrid.plan.hardware import get_hardware
     names = registered_models()
@@ -108,15 +108,15 @@ def check_flags() -> list[int]:
     if not 0 < FLAGS.mux_efficiency <= 1:
         raise ValueError(f"--mux_efficiency={FLAGS.mux_efficiency:g} is a share of idle time: "
                          f"give a number in (0, 1].")
-    return int_list("devices", FLAGS.devices, 1)
 
 
 def main(argv):
     del argv
     try:
-        devices = check_flags()
+        check_flags()
     except ValueError as e:
         sys.exit(f"burst.py: {e}")
+    devices = FLAGS.devices
     out = {"paper": PAPER, "batch": FLAGS.batch, "bg_batch": FLAGS.bg_batch,
            "amplification_limit": FLAGS.amplification_limit,
            "mux_efficiency": FLAGS.mux_efficiency, "results": []}

@@ -28,10 +28,12 @@ import sys
 
 from absl import app, flags
 
+from jaxhybrid.config_flags import define_int_list
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "inception_v3", "inception_v3 | gnmt | biglstm (or any "
                     "jaxhybrid.models name with --costs=profile and --per_worker_batch).")
-flags.DEFINE_list("devices", "8,16,32,64,128,256,512,1024", "device counts N to project.")
+define_int_list("devices", "8,16,32,64,128,256,512,1024", "device counts N to project.")
 flags.DEFINE_string("hardware", "v100_dgx1", "v100_dgx1 | a100_dgx | h100_dgx | measured.")
 flags.DEFINE_integer("per_worker_batch", None, "examples per DP worker (default: per model).")
 flags.DEFINE_string("costs", "reference", "reference (analytic, full size) | profile | measured.")
@@ -39,13 +41,13 @@ flags.DEFINE_string("size", "full", "model size to profile with --costs=profile/
 flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--costs=profile).")
 flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (names in "
                   "jaxhybrid.schedules.SCHEDULES: gpipe, 1f1b, interleaved, zb-h1, zbv).")
-flags.DEFINE_list("microbatches", None, "microbatch counts to search (default: every divisor "
+define_int_list("microbatches", None, "microbatch counts to search (default: every divisor "
                   "of the per-worker batch).")
 flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.")
-flags.DEFINE_list("model_degrees", "1", "tensor-parallel degrees to search (mesh model=; "
+define_int_list("model_degrees", "1", "tensor-parallel degrees to search (mesh model=; "
                   "each must divide the model's heads / MLP width), e.g. 1,2,4.")
-flags.DEFINE_list("zero", "0", "ZeRO settings to search: 0 (replicated optimizer state), "
-                  "1 (sharded over data), or 0,1.")
+define_int_list("zero", "0", "ZeRO settings to search: 0 (replicated optimizer state), "
+                "1 (sharded over data), or 0,1.", minimum=0)
 flags.DEFINE_float("b_noise", None, "override the gradient noise scale B_noise (examples).")
 flags.DEFINE_float("e_min", None, "override the small-batch epochs to target E_min.")
 flags.DEFINE_float("max_batch", None, "critical batch: no fewer steps beyond it.")
@@ -113,30 +115,27 @@ def stat_curve():
 
 def main(argv):
     del argv
-    from jaxhybrid.config_flags import int_list
     from jaxhybrid.plan import hybrid
     try:
         costs = FLAGS.costs
         if costs not in ("reference", "profile", "measured"):
             raise ValueError(f"--costs={costs!r}: choose reference, profile or measured.")
         _check_model()
-        devices = int_list("devices", FLAGS.devices, 1)
-        degrees = int_list("model_degrees", FLAGS.model_degrees, 1)
-        zero = int_list("zero", FLAGS.zero, 0)
-        if not set(zero) <= {0, 1}:
-            raise ValueError(f"--zero={','.join(FLAGS.zero)}: ZeRO settings are 0 (replicated "
-                             f"optimizer state) and 1 (sharded over data), e.g. --zero=0,1.")
-        microbatches = int_list("microbatches", FLAGS.microbatches, 1) if FLAGS.microbatches else None
+        if not set(FLAGS.zero) <= {0, 1}:
+            raise ValueError(f"--zero={','.join(map(str, FLAGS.zero))}: ZeRO settings are 0 "
+                             f"(replicated optimizer state) and 1 (sharded over data), e.g. "
+                             f"--zero=0,1.")
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile
             spec = get_model(FLAGS.model, FLAGS.size)
             costs = profile(spec.layers, spec.sample_batch(FLAGS.profile_batch)[0], measure=True)
         proj = hybrid.project(
-            FLAGS.model, devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
+            FLAGS.model, FLAGS.devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
             stat=stat_curve(), costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
             schedules=FLAGS.schedules, max_pipe=FLAGS.max_pipe,
-            model_degrees=degrees, zero=zero, microbatches=microbatches)
+            model_degrees=FLAGS.model_degrees, zero=FLAGS.zero,
+            microbatches=FLAGS.microbatches or None)
     except ValueError as e:
         sys.exit(f"project.py: {e}")
     if FLAGS.json:

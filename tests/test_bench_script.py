@@ -4,7 +4,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "scripts", "bench.py")
 
 
 def test_pipeline_bench_prints_every_table():
@@ -49,3 +52,18 @@ def test_async_bench_prints_the_study_table(tmp_path):
             assert re.search(rf"^text\s+2 {name}\s+{num}\s+8\s+4\s+32\s+{num}\s+{num}\s+\S+\s+"
                              rf"\S+\s+{num}\s+\S+\s+{num}\s+{num}", out, re.M), out
     assert re.search(r"staleness per stage \[1, 0\]", r.stdout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["pipeline", "--speed_widths=abc"], "flag --speed_widths=abc: 'abc' is not a whole number"),
+    (["async", "--tasks=foo"], "bench async: --tasks: unknown ['foo']; choose from digits, text."),
+    (["sharding", "--meshes=1x2"], "bench sharding: layout '1x2': write data x pipe x model"),
+    (["projection", "--val_configs=2x4"], "write [schedule:]data x pipe x microbatches"),
+])
+def test_bench_modes_reject_bad_flags_in_one_line(args, message):
+    """Before any figure is measured: a bad list entry stops flag parsing; the modes'
+    own checks end in one 'bench MODE: ...' line (tracebacks and KeyErrors before)."""
+    r = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert message in r.stderr + r.stdout

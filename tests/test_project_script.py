@@ -37,6 +37,6 @@ def test_json_png_and_errors(tmp_path):
     bad = _run("--model=gpt", "--out=")   # a jaxhybrid model: the flags that project it
     assert bad.returncode != 0 and "use --costs=profile --per_worker_batch=N" in bad.stderr
     bad = _run("--model=gnmt", "--devices=8,abc", "--out=")
-    assert bad.returncode != 0 and "--devices entry 'abc': write whole numbers" in bad.stderr
+    assert bad.returncode != 0 and "flag --devices=8,abc: 'abc' is not a whole number >= 1" in bad.stderr
     bad = _run("--model=gnmt", "--zero=2", "--out=")
     assert bad.returncode != 0 and "ZeRO settings are 0" in bad.stderr

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from absl import flags
 
+from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import data, models, startup, train
 from jaxhybrid.config_flags import load_config
 from jaxhybrid.metrics import evaluate
@@ -54,7 +55,7 @@ from jaxhybrid.schedules import asynchronous, make_schedule
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tasks", "digits,text", "digits (Inception-V3 tiny, accuracy) and/or text "
                   "(GPT, loss).")
-flags.DEFINE_list("stages", "4,8", "pipeline depths S (mesh data=1 x pipe=S).")
+define_int_list("stages", "4,8", "pipeline depths S (mesh data=1 x pipe=S).")
 flags.DEFINE_list("schedules", "1f1b,async,pipedream,spectrain,spectrain-v1,2bw,1f1b:window",
                   "schedules to compare: 1f1b[:N] is synchronous with N microbatches per "
                   "update (N=window: 2bw's window at that S), the others asynchronous.")
@@ -282,6 +283,9 @@ def print_saved(path: str) -> None:
 
 def main(argv) -> None:
     del argv
+    unknown = [t for t in FLAGS.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown {unknown}; choose from {', '.join(TASKS)}.")
     startup.enable_caches(startup.default_cache_dir() if FLAGS.cache_dir is None
                           else FLAGS.cache_dir)
     if FLAGS.from_json:
@@ -294,7 +298,7 @@ def main(argv) -> None:
     print(HEADER, flush=True)
     for task in FLAGS.tasks:
         examples = FLAGS.examples or TASKS[task].examples
-        for S in map(int, FLAGS.stages):
+        for S in FLAGS.stages:
             for name in FLAGS.schedules:
                 started = time.time()
                 rows.append(run_one(task, S, name, examples))

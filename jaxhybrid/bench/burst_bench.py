@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from absl import flags
 
+from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import burst, models
 from jaxhybrid.burst import multiplex
 from jaxhybrid.layers import apply_layer
@@ -41,7 +42,7 @@ flags.DEFINE_string("bg_model", "wrn", "background model")
 flags.DEFINE_string("size", "tiny", "model size preset")
 flags.DEFINE_integer("batch", 64, "foreground global batch")
 flags.DEFINE_integer("bg_batch", 8, "background batch per device instance")
-flags.DEFINE_list("widths", [], "burst widths (one per layer); default: the first half of "
+define_int_list("widths", [], "burst widths (one per layer); default: the first half of "
                   "the layers on 8 devices, then 4, 2, 1 (a DeepPool-like narrowing)")
 flags.DEFINE_integer("repeats", 5, "interleaved timing repeats (minimum taken)")
 flags.DEFINE_integer("steps", 2, "steps per timing")
@@ -90,7 +91,7 @@ def main(argv):
     G = jax.device_count()
     mesh, fg, bg, (x, y), (bx, by), fv, bv = setup(G)
     L = len(fg.layers)
-    widths = [int(w) for w in FLAGS.widths] or default_widths(L, G)
+    widths = FLAGS.widths or default_widths(L, G)
     opt, bg_opt = optax.sgd(1e-2, momentum=0.9), optax.sgd(1e-2, momentum=0.9)
     dp = burst.BurstProgram(fg.layers, fg.loss_fn, burst.data_parallel_widths(L, mesh), mesh,
                             FLAGS.batch)

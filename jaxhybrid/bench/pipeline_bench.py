@@ -38,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 import jaxhybrid as jh
+from jaxhybrid.config_flags import define_int_list
 from jaxhybrid.bench.mlp import Block, Head, xent
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import apply_layer
@@ -54,18 +55,18 @@ flags.DEFINE_string("size", "tiny", "model size for jaxhybrid.models names.")
 flags.DEFINE_integer("width", 512, "mlp hidden width.")
 flags.DEFINE_integer("microbatch", 16, "examples per microbatch.")
 flags.DEFINE_integer("repeats", 7, "timed repeats (minimum) for the CPU-seconds ratios.")
-flags.DEFINE_list("speed_widths", "512,1024", "mlp widths of the pipelined vs data-parallel "
+define_int_list("speed_widths", "512,1024", "mlp widths of the pipelined vs data-parallel "
                   "table (the wider model moves 4x the parameters per step).")
-flags.DEFINE_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
+define_int_list("memory_m", "4,8,16,32", "microbatch counts of the memory table (S=4).")
 flags.DEFINE_list("memory_schedules", ",".join(MEMORY_SCHEDULES), "schedules of the memory table.")
 flags.DEFINE_string("speed_model", "tanh", "mlp | tanh: the stack of the CPU-seconds table.")
-flags.DEFINE_list("speed_microbatches", "", "microbatch sizes of the CPU-seconds table "
+define_int_list("speed_microbatches", "", "microbatch sizes of the CPU-seconds table "
                   "(empty: --microbatch).")
 flags.DEFINE_list("speed_schedules", "1f1b,interleaved,zb-h1", "schedules of the CPU-seconds table.")
 flags.DEFINE_integer("speed_m", 8, "microbatches of the pipelined step in the CPU-seconds table.")
 flags.DEFINE_list("compile_schedules", "", "schedules whose Inception-V3 tiny step (data=2, "
                   "pipe=4) compile time is measured (empty: skip).")
-flags.DEFINE_list("compile_m", "4,16", "microbatch counts of the compile-time table.")
+define_int_list("compile_m", "4,16", "microbatch counts of the compile-time table.")
 flags.DEFINE_list("padding_models", "gpt,inception_v3,gnmt,biglstm",
                   "jaxhybrid.models (tiny) whose padding waste at S=4 is printed.")
 
@@ -254,17 +255,17 @@ def main(argv) -> None:
           f"devices={jax.device_count()} x {jax.devices()[0].platform} "
           f"cores={os.cpu_count()}\n")
     if FLAGS.compile_schedules:
-        compile_table(FLAGS.compile_schedules, [int(m) for m in FLAGS.compile_m])
+        compile_table(FLAGS.compile_schedules, FLAGS.compile_m)
     if FLAGS.memory_m:
         print_memory_table(memory_table(layers, loss_fn, make_batch, per_layer, mb,
-                                        [int(m) for m in FLAGS.memory_m],
+                                        FLAGS.memory_m,
                                         schedules=FLAGS.memory_schedules))
     if FLAGS.padding_models:
         padding_table(FLAGS.padding_models)
 
     print_speed_rows([row for schedule in FLAGS.speed_schedules
-                      for smb in [int(m) for m in FLAGS.speed_microbatches or [mb]]
-                      for row in speed_rows([int(w) for w in FLAGS.speed_widths], FLAGS.blocks,
+                      for smb in FLAGS.speed_microbatches or [mb]
+                      for row in speed_rows(FLAGS.speed_widths, FLAGS.blocks,
                                             smb, FLAGS.repeats, schedule, FLAGS.speed_m,
                                             FLAGS.speed_model)])
 

@@ -42,6 +42,7 @@ from absl import flags
 
 import jaxhybrid as jh
 from jaxhybrid import models
+from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import pipeline as jp
 from jaxhybrid.pipeline.stages import even_boundaries
 
@@ -52,7 +53,7 @@ flags.DEFINE_list("meshes", "2x2x1,2x2x2,1x4x2,2x1x4", "data x pipe x model mesh
 flags.DEFINE_integer("microbatches", 2, "microbatches per step.")
 flags.DEFINE_bool("largest", False, "print the largest GPT that fits --budget per layout.")
 flags.DEFINE_string("budget", "16GiB", "per-device memory budget for --largest.")
-flags.DEFINE_list("widths", "512,1024,2048,4096", "GPT widths (d_model) for --largest.")
+define_int_list("widths", "512,1024,2048,4096", "GPT widths (d_model) for --largest.")
 flags.DEFINE_list("layouts", "4x2x1,2x2x2,2x2x2z", "data x pipe x model (z: ZeRO) layouts.")
 flags.DEFINE_integer("seq_len", 1024, "tokens per sequence for --largest.")
 flags.DEFINE_integer("vocab", 50257, "vocabulary for --largest.")
@@ -135,7 +136,7 @@ def largest(argv_flags) -> None:
           f"({'with its recomputation' if f.remat else 'no recomputation'})")
     print(f"{'width':>6} " + " ".join(f"{str(l):>22}" for l in layouts))
     best = {str(l): (0, 0, 0) for l in layouts}
-    for w in (int(v) for v in f.widths):
+    for w in f.widths:
         depth_costs, per_block, rest = gpt_depths(
             "full", f.microbatch, d_model=w, num_heads=max(1, w // 64), seq_len=f.seq_len,
             max_positions=f.seq_len, vocab_size=f.vocab)
@@ -174,14 +175,16 @@ def main(argv) -> None:
     del argv
     if FLAGS.largest:
         return largest(FLAGS)
+    from jaxhybrid.plan.largest import Layout
+    meshes = [(m, Layout.parse(m)) for m in FLAGS.meshes]   # "DxPxT", or one line naming it
     spec = models.get_model("gpt", "tiny", num_layers=FLAGS.layers, d_model=FLAGS.width,
                             num_heads=4)
     print(f"GPT {FLAGS.layers} x {FLAGS.width} (vocab 257), adam in the pipeline, 1f1b, "
           f"M={FLAGS.microbatches}; bytes per device from the compiled step")
     print(f"{'data x pipe x model':>20} {'zero':>4} {'params':>10} {'/ideal':>7} "
           f"{'adam':>10} {'/ideal':>7} {'argument':>10} {'temp':>10}")
-    for mesh in FLAGS.meshes:
-        data, pipe_size, model = (int(v) for v in mesh.split("x"))
+    for mesh, layout in meshes:
+        data, pipe_size, model = layout.data, layout.pipe, layout.model
         for zero in (0, 1):
             r = measure(spec, data, pipe_size, model, zero, FLAGS.microbatches)
             ideal_p = r["total"] / (pipe_size * model)
