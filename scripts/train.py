@@ -63,7 +63,13 @@ from absl import app, flags, logging  # noqa: E402  (after the XLA_FLAGS set-up)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxhybrid import config_flags, distributed  # noqa: E402
 
-_CONFIG = config_flags.define_config_flag("config", default="inception_hybrid.py")
+DEFAULT_CONFIG = "inception_hybrid.py"
+# No flag default: absl parses a default when the flag is defined, and running the
+# config file there (inception_hybrid.py asks jax for its backend) would start jax
+# before jax.distributed may; `_parse_flags` adds --config=DEFAULT_CONFIG after that.
+_CONFIG = config_flags.define_config_flag("config", default=None, help_string=(
+    f"config file, or a name in configs/ ({', '.join(config_flags.available_configs())}); "
+    f"default {DEFAULT_CONFIG}; override fields with --config.train.steps=10 etc."))
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: "
                                "/tmp/jaxhybrid/<config name>)")
 _CACHE_DIR = flags.DEFINE_string(
@@ -103,16 +109,17 @@ def _parse_flags(argv):
             heartbeat_timeout=_HEARTBEAT_TIMEOUT.value))
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if _config_arg(rest[1:]) is None:
+        rest = [rest[0], f"--config={DEFAULT_CONFIG}", *rest[1:]]
     return flags.FLAGS(rest)
 
 
-def _config_arg() -> str:
-    """The --config value as typed (for the default workdir's name)."""
-    args = sys.argv[1:]
+def _config_arg(args) -> str | None:
+    """The --config value as typed in `args` (None: not given)."""
     for i, arg in enumerate(args):
         if arg.split("=", 1)[0] in ("--config", "-config"):
             return arg.split("=", 1)[1] if "=" in arg else args[i + 1]
-    return "inception_hybrid.py"
+    return None
 
 
 def _quiet_orbax(record) -> bool:
@@ -134,7 +141,8 @@ def main(argv):
                               else _CACHE_DIR.value)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    name = os.path.splitext(os.path.basename(_config_arg().split(":")[0]))[0]
+    typed = _config_arg(sys.argv[1:]) or DEFAULT_CONFIG
+    name = os.path.splitext(os.path.basename(typed.split(":")[0]))[0]
     workdir = _WORKDIR.value or os.path.join("/tmp/jaxhybrid", name)
     logging.info("config %s, workdir %s, process %d of %d", name, workdir,
                  jax.process_index(), jax.process_count())

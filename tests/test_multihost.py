@@ -12,6 +12,7 @@ preemption, as in test_train.py).
 """
 import functools
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -300,3 +301,23 @@ def assert_jitted_cut_equals_host_cut(config):
                     jax.tree.leaves(back)):
         np.testing.assert_array_equal(a, b)
     return state, host, back
+
+
+def test_the_default_config_waits_for_jax_distributed():
+    """train.py without --config, as process 0 of 2 whose peer never comes: it must reach
+    jax.distributed's start-up (and time out there). Reading the default config when the
+    flag was defined asked jax for its backend first, so every multi-process run of
+    the default config died with "initialize() must be called before any JAX calls"."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import launch_local
+    finally:
+        sys.path.pop(0)
+    env = launch_local.process_env(os.environ, 0, 2, 4, launch_local.free_port())
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"),
+                        "--initialization_timeout=3"], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0   # the peer never joins
+    assert "must be called before any JAX calls" not in out, out[-3000:]
+    assert "Coordination" in out or "DEADLINE_EXCEEDED" in out, out[-3000:]
