@@ -103,7 +103,13 @@ def _parse_flags(argv):
             heartbeat_timeout=_HEARTBEAT_TIMEOUT.value))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    return flags.FLAGS(rest)
+    try:
+        return flags.FLAGS(rest)
+    except flags.Error as e:
+        # A flag error (a misspelt --config.field, a wrong type: --config.train.steps=abc)
+        # is the user's typo: one line, not absl's traceback (app.run's own parser would
+        # catch it, but _parse_flags replaces that parser).
+        sys.exit(f"error: {e}")
 
 
 def _config_arg() -> str:
