@@ -356,9 +356,14 @@ class Checkpointer:
         return from_portable(pipe, restored["state"], template), dict(restored["meta"])
 
     def _mismatch(self, step, why):
+        # An empty or damaged step directory (copied in part, a disk error) fails the same
+        # way as another model's checkpoint; the message said only "another model", and
+        # not that the older steps are still there to resume from.
+        older = [s for s in self.all_steps() if s < step]
         return (f"checkpoint: step {step} in {self.directory} does not fit this model and "
                 f"optimizer ({why}); resume with the config it was saved with, or use a "
-                f"fresh workdir.")
+                f"fresh workdir; if that step directory is incomplete or damaged, move it "
+                f"away" + (f" to resume from step {older[-1]}." if older else "."))
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""

@@ -21,6 +21,7 @@ from jaxhybrid import config_flags, data, models
 from jaxhybrid import pipeline as jp
 from jaxhybrid.mesh import DATA
 from jaxhybrid.optim import OPTIMIZERS
+from jaxhybrid.plan.topology import parse_bytes
 from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
 
 
@@ -79,6 +80,13 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     unless `train_data` / `eval_data` bring their own). Raises ConfigError."""
     _check_fields(config)
     _check_settings(config)
+    for name, stream in (("train_data", train_data), ("eval_data", eval_data)):
+        # Called once per run (and again on resume); a generator object passed by
+        # mistake would fail as "'generator' object is not callable" with a traceback.
+        require(stream is None or callable(stream),
+                f"{name} must be a function returning a fresh iterable of batches (a "
+                f"generator function, or lambda: loader), got a {type(stream).__name__}: a "
+                f"resumed run calls it again to replay the stream.")
     t, p = config.train, config.pipeline
     try:
         spec = _model_spec(config, train_data)
@@ -138,6 +146,16 @@ def _check_settings(config) -> None:
                  f"pipeline.schedule={p.schedule!r} updates weights inside the pipeline, one "
                  f"device's buffers at a time: set train.grad_clip_norm=0 and "
                  f"train.weight_decay=0 (a global clip or packed decay mask needs every stage).")
+    # Parsed here, not first by the planner (a traceback from inside the plan).
+    if p.memory_budget is not None:
+        try:
+            parse_bytes(p.memory_budget)
+        except ValueError as e:
+            raise ConfigError(f"pipeline.memory_budget={p.memory_budget!r}: {e}") from None
+    b = p.boundaries
+    require(b is None or (isinstance(b, (tuple, list)) and all(_int(x) for x in b)),
+            f"pipeline.boundaries={b!r} must be a tuple of ints (the first layer of stages "
+            f"1..S-1), e.g. \"(3, 6, 11)\", or None (the planner decides).")
     c = config.checkpoint
     require(_int(c.every) and c.every >= 0, f"checkpoint.every={c.every!r} must be an int "
              f">= 0 (0: only at the end).")
@@ -161,10 +179,22 @@ def _streams(config, spec, rows, train_data, eval_data):
             train_batches = functools.partial(train_ds.batches, rows=rows)
             first = tuple(next(train_ds.batches(rows=slice(0, 1))))[:2]
         else:
-            train_batches = _process_share(train_data, rows)
+            train_batches = _process_share(train_data, rows, t.batch_size, "train_data")
             first = tuple(next(iter(train_data())))[:2]
-        eval_batches = (functools.partial(_dataset(config, spec, "test").eval_batches, rows=rows)
-                        if eval_data is None else _process_share(eval_data, rows))
+            _check_rows(first, t.batch_size, "train_data", 0)   # before any file is written
+        if eval_data is None:
+            # A module by import path has no dataset of its own to evaluate on (this
+            # failed as KeyError 'num_classes' inside data.for_model).
+            require(config.model.module is None or config.data.name is not None,
+                    f"model.module={config.model.module!r} with train_data= and no data.name "
+                    f"needs eval_data= too (a function yielding (inputs, targets[, mask])).")
+            eval_batches = functools.partial(_dataset(config, spec, "test").eval_batches,
+                                             rows=rows)
+        else:
+            eval_batches = _process_share(eval_data, rows, t.batch_size, "eval_data", eval=True)
+            # Its first batch now, not after the whole training run.
+            _check_rows(_eval_batch(tuple(next(iter(eval_data()), ())), t.batch_size, 0),
+                        t.batch_size, "eval_data", 0)
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -224,12 +254,46 @@ def build_pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeli
                        zero=config.train.get("zero", 0))
 
 
-def _process_share(stream: Callable[[], Iterable], rows: slice) -> Callable[..., Iterator]:
-    """A stream of global batches -> this process's rows of each, from batch `start`."""
+def _process_share(stream: Callable[[], Iterable], rows: slice, batch_size: int, name: str,
+                   eval: bool = False) -> Callable[..., Iterator]:
+    """A stream of global batches -> this process's rows of each, from batch `start`.
+    Every batch must have `batch_size` rows: a batch of another size would otherwise
+    recompile the step and train silently on another batch (or fail deep in the
+    pipeline). Evaluation batches (`eval`) may be short or come without a mask
+    (`_eval_batch`)."""
     def batches(start: int = 0):
-        for batch in itertools.islice(stream(), start, None):
-            yield jax.tree.map(lambda a: np.asarray(a)[rows], tuple(batch))
+        for i, batch in enumerate(itertools.islice(stream(), start, None), start):
+            batch = _eval_batch(tuple(batch), batch_size, i) if eval else tuple(batch)
+            _check_rows(batch, batch_size, name, i)
+            yield jax.tree.map(lambda a: np.asarray(a)[rows], batch)
     return batches
+
+
+def _check_rows(batch: tuple, batch_size: int, name: str, index: int) -> None:
+    parts = 3 if name == "eval_data" else 2
+    sizes = sorted({np.shape(a)[0] if np.ndim(a) else 0 for a in jax.tree.leaves(batch)})
+    require(len(batch) == parts and sizes == [batch_size],
+            f"{name}: batch {index} has {len(batch)} parts with {sizes} rows; every batch must "
+            f"be (inputs, targets{', mask' if parts == 3 else ''}) with train.batch_size="
+            f"{batch_size} rows{' (a short last one is padded)' if parts == 3 else ''}.")
+
+
+def _eval_batch(batch: tuple, batch_size: int, index: int) -> tuple:
+    """(inputs, targets[, mask]) -> (inputs, targets, mask) of `batch_size` rows: no mask
+    means every row counts; a short (last) batch is padded with copies of its first row,
+    masked out. (Evaluation unpacked three parts and placed the batch as it was: both
+    failed only after the whole training run.)"""
+    require(len(batch) in (2, 3), f"eval_data: batch {index} has {len(batch)} parts; yield "
+            f"(inputs, targets, mask) or (inputs, targets) batches (and at least one).")
+    inputs, targets, *mask = batch
+    mask = np.asarray(mask[0], bool) if mask else np.ones(
+        np.shape(jax.tree.leaves(inputs)[0])[0], bool)
+    short = batch_size - mask.shape[0]
+    if short > 0:
+        pad = lambda a: np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], short, 0)])
+        inputs, targets = jax.tree.map(pad, (inputs, targets))
+        mask = np.concatenate([mask, np.zeros(short, bool)])
+    return inputs, targets, mask
 
 
 def _dataset(config, spec, split):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import pathlib
@@ -144,6 +145,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     workdir = pathlib.Path(workdir).absolute()
     require(not workdir.exists() or workdir.is_dir(),
              f"workdir {workdir} is a file; pass a directory (it is created if missing).")
+    # Else orbax fails only at the first save, after training, with pages of traceback.
+    require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
+            f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
+            f"checkpoints in that directory).")
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     begun = _begin(run, config, workdir, phases, main)
     writer = None
@@ -242,7 +247,10 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     schedule = learning_rate_schedule(t)
     # Batch k of the (seeded, reproducible) stream is the one step k+1 trains on, so a
     # resumed run skips exactly the batches the saved steps consumed.
-    batches = data.prefetch_to_mesh(run.train_batches(start=b.start), run.mesh)
+    # Only the batches the steps use: the prefetch must not read (and check) a batch past
+    # the last step, e.g. the short last batch of a finite stream.
+    batches = data.prefetch_to_mesh(
+        itertools.islice(run.train_batches(start=b.start), max(t.steps - b.start, 0)), run.mesh)
     rng_data = [int(x) for x in np.asarray(jax.random.key_data(b.train_rng)).reshape(-1)]
     final, window, last_saved = {"step": b.start}, [], b.ckpt.latest_step()
     tick = time.time()

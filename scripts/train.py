@@ -111,7 +111,13 @@ def _parse_flags(argv):
         sys.exit(f"error: {e}")
     if _config_arg(rest[1:]) is None:
         rest = [rest[0], f"--config={DEFAULT_CONFIG}", *rest[1:]]
-    return flags.FLAGS(rest)
+    try:
+        return flags.FLAGS(rest)
+    except flags.Error as e:
+        # A flag error (a misspelt --config.field, a wrong type: --config.train.steps=abc)
+        # is the user's typo: one line, not absl's traceback (app.run's own parser would
+        # catch it, but _parse_flags replaces that parser).
+        sys.exit(f"error: {e}")
 
 
 def _config_arg(args) -> str | None:
