@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 import jaxhybrid as jh
 from jaxhybrid import config_flags, data, models
@@ -102,6 +103,11 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     except ValueError as e:
         raise ConfigError(f"mesh (config.mesh.data/pipe/model, {jax.device_count()} "
                           f"{jax.default_backend()} devices): {e}") from None
+    if mesh.size < jax.device_count():   # allowed (e.g. a checkpoint continued on fewer)
+        logging.warning("mesh %s uses %d of the %d devices; the rest stay idle "
+                        "(mesh.data=-1 takes every device left).",
+                        " x ".join(f"{k}={v}" for k, v in mesh.shape.items()), mesh.size,
+                        jax.device_count())
     n_data, m = mesh.shape[DATA], p.num_microbatches
     require(_int(m) and m >= 1, f"pipeline.num_microbatches={m!r} must be an int >= 1.")
     require(t.batch_size % (n_data * m) == 0,

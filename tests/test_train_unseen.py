@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -178,3 +179,17 @@ def test_an_empty_step_directory_names_the_older_step_to_resume_from(tmp_path):
     assert "\n" not in str(e.value)
     shutil.rmtree(tmp_path / "checkpoints" / "9")
     assert train.train_and_evaluate(gpt_config(**{"train.steps": 2}), tmp_path)["step"] == 2
+
+
+def test_a_mesh_smaller_than_the_devices_runs_and_says_how_many_are_idle():
+    from absl import logging as absl_logging
+    from jaxhybrid import run_setup
+    config = load_config("gpt_hybrid.py", {
+        "mesh.data": 2, "mesh.pipe": 3, "model.size": "tiny", "train.batch_size": 16,
+        "pipeline.num_microbatches": 2})
+    seen = []
+    with mock.patch.object(absl_logging, "warning", lambda msg, *a: seen.append(msg % a)):
+        run = run_setup.prepare(config)
+    assert run.mesh.size == 6
+    assert seen == ["mesh data=2 x pipe=3 uses 6 of the 8 devices; the rest stay idle "
+                    "(mesh.data=-1 takes every device left)."]
