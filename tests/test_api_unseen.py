@@ -178,6 +178,33 @@ def test_low_precision_model_matches_reference(data, pipe_size, M, schedule):
     _close(pipe.apply(variables, x), _sequential(layers, per_layer, x))
 
 
+class Seen(nn.Module):           # an int32 count of positive rows in its own collection
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        seen = self.variable("stats", "seen", lambda: jnp.zeros((), jnp.int32))
+        if train:
+            seen.value += (x[:, 0] > 0).sum().astype(jnp.int32)
+        return x
+
+
+def test_integer_state_is_averaged_over_data_replicas():
+    # The replicas count 4 and 0 rows. Integer state skipped the data mean: each replica
+    # kept its own count in an array said to be replicated (unpack read replica 0's 4).
+    layers = [Seen(), Dense(), Dense()]
+    x = jnp.concatenate([jnp.ones((4, 4)), -jnp.ones((4, 4))])
+    y = jnp.zeros((8, 4))
+    for pipe_size, boundaries in [(2, [1]), (1, [])]:   # the tick and the one-stage program
+        pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=pipe_size),
+                           num_microbatches=2, boundaries=boundaries, remat="none")
+        variables = pipe.init(jax.random.key(0), x)
+        _, _, new = pipe.value_and_grad(mse)(variables, x, y)
+        _, _, ref = jp.reference_value_and_grad(layers, pipe.unpack(variables), mse, x, y,
+                                                data=2, num_microbatches=2)
+        got = pipe.unpack(new)[0]["stats"]["seen"]
+        assert got.dtype == np.int32 and ref[0]["stats"]["seen"].dtype == jnp.int32
+        assert int(got) == int(ref[0]["stats"]["seen"]) == 2
+
+
 # --- the optimizer inside the pipeline ---------------------------------------------------
 class Dense(nn.Module):
     @nn.compact
