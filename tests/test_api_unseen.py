@@ -129,6 +129,27 @@ def test_token_model_matches_reference(data, pipe_size, M, schedule):
     assert aux.shape == (data * M,)
 
 
+class Shift(nn.Module):         # no variables, int32 in and out: no gradient to send back
+    def __call__(self, ids):
+        return (ids + 1) % 11
+
+
+class BagOfWords(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return jnp.tanh(nn.Embed(11, 4)(ids).mean(1))
+
+
+def test_stages_without_parameters_or_float_outputs_match_reference():
+    # zbv: 4 stages of one layer; the first two hold nothing and pass only int32.
+    layers = [Shift(), Shift(), BagOfWords(), nn.Dense(4)]
+    x = jnp.asarray(np.random.RandomState(2).randint(0, 11, (12, 3)), jnp.int32)
+    y = jnp.asarray(np.random.RandomState(3).randn(12, 4), jnp.float32)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1))
+    per_layer = pipe.unpack(pipe.init(jax.random.key(0), x))
+    _check_exact(layers, per_layer, lambda o, t: jnp.mean((o - t) ** 2), x, y, 1, 2, 2, "zbv")
+
+
 # --- low precision: bf16 / f16 activations, a dtype change, int and bool leaves --------
 class LowIn(nn.Module):         # (features, positions) -> bf16 activations, ints, a bool
     @nn.compact
