@@ -28,7 +28,10 @@ def check_boundaries(boundaries: Sequence[int], num_layers: int,
                      num_stages: int | None = None) -> list[int]:
     """`boundaries` as a list of ints, or a ValueError naming what is wrong with them
     (count, when `num_stages` is given; range; order)."""
-    b = [int(x) for x in boundaries]
+    if np.ndim(np.asarray(boundaries, object)) != 1:
+        raise TypeError(f"boundaries={boundaries!r} must be a list of layer indices (the first "
+                        f"layer of stages 1..S-1), e.g. [4, 9].")
+    b = [_layer_index(x, boundaries) for x in boundaries]
     if num_stages is not None and len(b) != num_stages - 1:
         raise ValueError(f"boundaries={b} has {len(b)} entries; a {num_stages}-stage pipeline needs "
                          f"{num_stages - 1} (the first layer index of stages 1..{num_stages - 1}).")
@@ -38,6 +41,16 @@ def check_boundaries(boundaries: Sequence[int], num_layers: int,
     if any(x >= y for x, y in zip(b, b[1:])):
         raise ValueError(f"boundaries={b} must be strictly increasing (every stage needs >= 1 layer).")
     return b
+
+
+def _layer_index(x, boundaries) -> int:
+    # int() truncated 1.5 to 1 silently and failed on "a" with an int-parsing message.
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return int(x)
+    if isinstance(x, (float, np.floating)) and float(x).is_integer():
+        return int(x)
+    raise TypeError(f"boundaries={boundaries!r}: {x!r} is not a layer index; pass ints, the "
+                    f"first layer of stages 1..S-1, e.g. [4, 9].")
 
 
 def stage_ranges(boundaries: Sequence[int], num_layers: int) -> list[tuple[int, int]]:

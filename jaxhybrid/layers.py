@@ -18,6 +18,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 PyTree = Any
 
@@ -38,9 +39,16 @@ def takes_train(layer: nn.Module) -> bool:
 def raw_key(key: jax.Array) -> jax.Array:
     """A typed PRNG key as its raw uint32 data (raw keys pack into flat buffers and can be
     stashed between pipeline ticks; typed keys cannot)."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    dtype, shape = getattr(key, "dtype", None), np.shape(key)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
         return jax.random.key_data(key)
-    return key
+    if dtype == np.uint32 and len(shape) == 1:
+        return key
+    # Anything else (an int seed, a batch of keys) failed when the step was lowered, with
+    # "Cannot lower jaxpr with verifier errors".
+    raise ValueError(f"rng must be one PRNG key, jax.random.key(seed) or "
+                     f"jax.random.PRNGKey(seed), got an array of dtype {dtype} "
+                     f"and shape {shape}; for a seed pass jax.random.key(seed).")
 
 
 def layer_rng(key: jax.Array, microbatch: jax.Array | int, layer_index: int) -> jax.Array:

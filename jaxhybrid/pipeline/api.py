@@ -65,6 +65,19 @@ def _checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
     return sched
 
 
+def _check_plan_inputs(memory_budget, topology) -> None:
+    """Reads memory_budget and a topology spec now: the planner read them only in `init`,
+    after profiling (compiling) every layer."""
+    from jaxhybrid.plan.topology import Topology, parse_bytes   # pure: no pipeline import
+    for what, value, read in (("memory_budget", memory_budget, parse_bytes),
+                              ("topology", topology, Topology.from_spec)):
+        if value is not None and (what == "memory_budget" or isinstance(value, str)):
+            try:
+                read(value)
+            except ValueError as e:
+                raise ValueError(f"Pipeline: {what}={value!r}: {e}") from e
+
+
 def _batch_size(tree: PyTree, what: str) -> int:
     """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
     naming the fix: the pipeline cuts each leaf into microbatches along it."""
@@ -139,7 +152,8 @@ class Pipeline:
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
         self.zero = _checked_zero(zero)
-        if not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1:
+        if (not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1
+                or isinstance(num_microbatches, bool)):   # True is an int, not a count
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
         self.schedule = _checked_schedule(schedule, self.pipe_size, self.num_microbatches,
@@ -151,6 +165,7 @@ class Pipeline:
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
         self.memory_budget, self.topology = memory_budget, topology
+        _check_plan_inputs(memory_budget, topology)
         self._plan, self._sample = None, None
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
         self._init_program = None   # the jitted initialiser of `init_layers`
@@ -438,6 +453,8 @@ class Pipeline:
                                  "pass packed variables (from pipe.init or a step) or packed "
                                  f"gradients (buffers {sorted(keys)}).")
             variables = {"params": variables}
+        packing.check_packed(variables, {c: b for c, b in self.abstract_variables().items()
+                                         if c in variables}, "unpack")
         host = jax.device_get(variables)
         per_layer = [dict() for _ in self.layers]
         for c in ["params", *(c for c in self.state_collections if c in host)]:
@@ -479,6 +496,11 @@ class Pipeline:
     def _train_body(self, loss_fn, inputs, targets, rng, train, optimizer):
         """The per-device program of one step, for these shapes."""
         mb_in, mb_tg = self._microbatch(inputs, "inputs"), self._microbatch(targets, "targets")
+        if _batch_size(inputs, "inputs") != _batch_size(targets, "targets"):
+            # Else microbatch m of the inputs met another slice of the targets in loss_fn.
+            raise ValueError(f"Pipeline: inputs have batch {_batch_size(inputs, 'inputs')}, "
+                             f"targets {_batch_size(targets, 'targets')}; pass one target "
+                             f"row per input example.")
         eng = self.engine()
         if self.num_stages == 1 and optimizer is None:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)
@@ -531,7 +553,9 @@ class Pipeline:
         jitted = jax.jit(_step)
 
         def step(variables, inputs, targets, rng=None):
-            with _rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"):
+            packing.check_packed(variables, self.abstract_variables(), "value_and_grad")
+            with _rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"), \
+                    self._fit_hint():
                 loss, grads, new_state = jitted(variables, inputs, targets, rng)
             # Merged outside the jit: returning the unchanged params from it would make
             # XLA copy the whole parameter buffer every step.
@@ -544,20 +568,27 @@ class Pipeline:
         """`optimizer.init` on the packed parameters (slots sharded like them; with
         zero=1 also over "data", see `jaxhybrid.pipeline.zero`); for an asynchronous
         schedule, of the optimizer its U tasks run (`async_weights`)."""
+        async_weights.check_per_element(optimizer, self.param_len)
         optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
                                                      self.num_microbatches)
         if self.zero:
-            return zero.init_optimizer(optimizer, variables["params"], self.mesh,
-                                       self.stage_spec)
-        return jax.jit(optimizer.init)(variables["params"])
+            return async_weights.init_on_packed(lambda p: zero.init_optimizer(
+                optimizer, p, self.mesh, self.stage_spec), variables["params"])
+        return async_weights.init_on_packed(jax.jit(optimizer.init), variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
         """Returns f(variables, opt_state, inputs, targets, rng=None) -> (loss, grads,
         new_variables, new_opt_state): the optimizer runs inside the pipeline, as U tasks
         after each device's last backward (gradients averaged over "data" first). The
         optimizer must act per parameter (optax's adam, sgd, masked weight decay...):
-        it sees one device's buffers at a time, so a global-norm clip would see a part."""
+        it sees one device's buffers at a time, so a global-norm clip would see a part
+        (refused: `async_weights.check_per_element`)."""
         self._require_vars()
+        async_weights.check_per_element(optimizer, self.param_len)
+        expected_state = async_weights.init_on_packed(functools.partial(
+            jax.eval_shape, async_weights.pipeline_optimizer(
+                optimizer, self.schedule, self.num_microbatches).init),
+            self.abstract_variables()["params"])
 
         def _step(variables, opt_state, inputs, targets, rng=None):
             # Every pipeline depth (one stage too) runs the optimizer as U tasks.
@@ -568,7 +599,10 @@ class Pipeline:
         jitted = jax.jit(_step)
 
         def step(variables, opt_state, inputs, targets, rng=None):
-            with _rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"):
+            packing.check_packed(variables, self.abstract_variables(), "train_step")
+            async_weights.check_opt_state(opt_state, expected_state)
+            with _rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
+                    self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)
 
         step.lower = jitted.lower
@@ -582,10 +616,12 @@ class Pipeline:
         loss, a parameter the model returns) one value per microbatch, [data x M, ...]
         in batch order. Mutable state is not updated."""
         self._require_vars()
+        packing.check_packed(variables, self.abstract_variables(), "apply")
         key = ("apply", train, rng is not None)
         if key not in self._cache:
             self._cache[key] = jax.jit(functools.partial(self._apply, train=train))
-        return self._cache[key](variables, inputs, rng)
+        with self._fit_hint():
+            return self._cache[key](variables, inputs, rng)
 
     def _apply(self, variables, inputs, rng, *, train):
         with _rng_hint("apply(variables, inputs, train=True, rng=key)" if train else
@@ -613,6 +649,20 @@ class Pipeline:
             act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
             grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
             cross_len={}, residuals=None, split=[])
+
+    @contextlib.contextmanager
+    def _fit_hint(self):
+        """flax's parameter shape errors name a module's initializer, not the cause: the
+        inputs are shaped unlike the sample the variables were made on."""
+        try:
+            yield
+        except (flax.errors.ScopeParamShapeError, flax.errors.ScopeParamNotFoundError) as e:
+            sample = ("" if self._sample is None else " (per example: " + str(jax.tree.map(
+                lambda a: tuple(np.shape(a)[1:]), self._sample)) + ")")
+            raise ValueError(f"Pipeline: the inputs do not fit the packed variables "
+                             f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
+                             f"shaped like pipe.init's sample_inputs{sample}, or pack "
+                             f"variables made for these inputs.") from e
 
     # --- reporting ------------------------------------------------------------------
     def padding_stats(self) -> dict:

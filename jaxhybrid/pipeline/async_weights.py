@@ -103,3 +103,67 @@ def initial_versions(policy: str, size: int, params: dict):
         return None
     ring = {n: jnp.zeros((size, *v.shape), v.dtype) for n, v in params.items()}
     return _save(ring, 0, params)
+
+
+def check_per_element(optimizer, param_len: dict) -> None:
+    """A ValueError unless `optimizer` acts element by element, as the U tasks need: each
+    runs it on one device's packed buffers (with zero=1 on one data shard of them), where a
+    global-norm clip or a per-leaf trust ratio (lamb, lars) silently gave other numbers
+    than on the whole model. Probed on two halves of the packed keys versus the whole, two
+    updates (the first with one half 1e6 times larger, so that any clip bites). A probe
+    the optimizer cannot run (its own checks) is left to the real call to report."""
+    import numpy as np
+    rs = np.random.RandomState(0)
+    keys = sorted(param_len)
+    draw = lambda *scale: {k: np.concatenate([rs.randn(3) * s for s in scale]).astype(np.float32)
+                           for k in keys}
+    params, g1, g2 = draw(1, 1), draw(1e6, 1), draw(1e-3, 1e-3)
+    half = lambda tree, h: {k: v[3 * h:3 * h + 3] for k, v in tree.items()}
+
+    def run(p, grads):
+        state, out = optimizer.init(p), []
+        for g in grads:
+            u, state = optimizer.update(g, state, p)
+            out.append(u)
+        return out
+    try:
+        whole = run(params, [g1, g2])
+        parts = [run(half(params, h), [half(g1, h), half(g2, h)]) for h in (0, 1)]
+    except Exception:   # noqa: BLE001 - see the docstring
+        return
+    for step, u in enumerate(whole):
+        for k in keys:
+            got = np.concatenate([np.asarray(parts[0][step][k]), np.asarray(parts[1][step][k])])
+            want = np.asarray(u[k])
+            if not np.allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max()):
+                raise ValueError(
+                    "Pipeline: this optimizer does not act per element (e.g. "
+                    "clip_by_global_norm, lamb/lars trust ratios): in train_step it would see "
+                    "one device's packed buffers and silently differ from the unsplit model; "
+                    "use pipe.value_and_grad and apply it outside, to the packed gradients "
+                    "(global norms are the model's) or to pipe.unpack(grads) (per layer).")
+
+
+def check_opt_state(opt_state, expected) -> None:
+    """A ValueError naming the fix when `opt_state` is not of this optimizer on this
+    pipeline's packed parameters (None, another optimizer's, one of per-layer params):
+    else it failed inside optax or as a shard_map shape error."""
+    if jax.tree.structure(opt_state) != jax.tree.structure(expected):
+        raise ValueError("Pipeline.train_step: opt_state is not this optimizer's state on the "
+                         "pipeline's packed parameters; make it with "
+                         "pipe.init_optimizer(optimizer, variables).")
+
+
+def init_on_packed(init, params):
+    """init(params) on a pipeline's packed parameters; an optimizer that fails there (an
+    optax.masked / multi_transform tree of per-layer parameters: "pytree structure
+    error") is told why: it sees the packed buffers, not the layers."""
+    try:
+        return init(params)
+    except (ValueError, TypeError) as e:
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        raise ValueError(f"Pipeline: the optimizer's init failed on the packed parameters "
+                         f"{shapes} ({str(e).splitlines()[0]}); in the pipeline it sees packed "
+                         f"buffers, not per-layer trees: pack a mask or label tree like them "
+                         f"(as jaxhybrid.optim.weight_decay_mask does) or make it a function "
+                         f"of the packed tree.") from e

@@ -16,7 +16,7 @@ from jax.extend import core as jcore
 from jaxhybrid import tensor_parallel
 from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
-from jaxhybrid.pipeline.stages import merge_float, split_float
+from jaxhybrid.pipeline.stages import merge_float, microbatch_loss, split_float
 
 if TYPE_CHECKING:   # the executor imports this module
     from jaxhybrid.pipeline.runtime import Engine, Stage
@@ -113,7 +113,7 @@ def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, 
         if output_shape is not None:
             output_shape.append(jax.tree.map(_abstract, y))
         if last:
-            return jnp.asarray(loss_fn(y, tgt), jnp.float32) / num_microbatches, (new_state, [])
+            return microbatch_loss(loss_fn, y, tgt, num_microbatches), (new_state, [])
         yf, yi, _ = split_float(y)
         return yf, (new_state, yi)
 

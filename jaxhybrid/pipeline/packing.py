@@ -318,3 +318,22 @@ def grouped_layouts(trees: Sequence[PyTree], groups: Sequence[Sequence[int]],
         for i, lay in zip(g, split_layout(row, [trees[i] for i in g])):
             out[i] = lay
     return out, lengths
+
+
+def check_packed(variables, expected: Mapping[str, Mapping[str, Any]], who: str) -> None:
+    """A ValueError naming the fix unless `variables` has the collections, buffer keys and
+    shapes of `expected` (a pipeline's `abstract_variables`): per-layer dicts, gradients
+    or another pipeline's buffers otherwise failed with a KeyError or a slice error."""
+    def show(tree):
+        return {k: tuple(np.shape(v)) for k, v in tree.items()} if isinstance(tree, Mapping) else type(tree).__name__
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise ValueError(f"Pipeline.{who}: variables must be the packed dict of pipe.init / "
+                         f"pipe.pack ({{'params': {{buffer: [rows, length]}}, ...}}), got "
+                         f"{show(variables)}; pack per-layer variables with pipe.pack(per_layer).")
+    for c, bufs in expected.items():
+        got = variables.get(c)
+        if show(got) != {k: tuple(b.shape) for k, b in bufs.items()}:
+            raise ValueError(f"Pipeline.{who}: variables[{c!r}] has buffers {show(got)}, this "
+                             f"pipeline's layout is {show(bufs)}: they were packed by another "
+                             f"pipeline or before a pipe.pack of other shapes; repack them with "
+                             f"this one: pipe.pack(other_pipe.unpack(variables)).")

@@ -17,6 +17,7 @@ from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.layouts import StageLayouts
 from jaxhybrid.pipeline.runtime import (Engine, _local, _row, _send, _set_row,
                                         _split_microbatches, _take, data_mean)
+from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.pipeline.tables import COL, ControlTable
 
 
@@ -110,7 +111,7 @@ def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: b
             def loss_of(p):
                 out, new_state = stage.apply(p, state, x, train=train,
                                              rng=rng if has_rng else None, microbatch=d * M + m)
-                return jnp.asarray(loss_fn(out, y), jnp.float32) / M, new_state
+                return microbatch_loss(loss_fn, out, y, M), new_state
 
             (loss, new_state), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             acc = g if acc is None else jax.tree.map(jnp.add, acc, g)

@@ -5,7 +5,7 @@ and each shard into `num_microbatches` contiguous microbatches; microbatch m of 
 has global index g = d*M + m and layer i draws dropout from layer_rng(rng, g, i). The loss
 is the mean of loss_fn over all microbatches; each shard updates mutable state (batch
 statistics) microbatch by microbatch, in order, from the same starting state, and the
-new state is the mean over shards.
+new state is the mean over shards (integer state: the floor of the mean, still integer).
 """
 from __future__ import annotations
 
@@ -50,8 +50,16 @@ def reference_value_and_grad(layers: Sequence, per_layer: Sequence[dict], loss_f
         # (Inception tiny on a Xeon; tests/test_module_training.py).
         losses, finals = jax.lax.map(lambda d_x_y: shard(params, states, *d_x_y),
                                      (jnp.arange(data), split(inputs), split(targets)))
-        return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), finals)
+        return jnp.mean(losses), jax.tree.map(_mean_over_shards, finals)
 
     (loss, new_states), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params, states)
     new_vars = [{"params": p, **st} for p, st in zip(params, new_states)]
     return loss, grads, new_vars
+
+
+def _mean_over_shards(a: jax.Array) -> jax.Array:
+    """The new state of the shards [data, ...]: mean, or floor of the mean for integers
+    (a count keeps its dtype, as `runtime.data_mean` does)."""
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return jnp.sum(a, axis=0) // a.shape[0]
+    return jnp.mean(a, axis=0)

@@ -109,10 +109,14 @@ def _take(tree: PyTree, i) -> PyTree:
 
 
 def data_mean(data: int, v: jax.Array) -> jax.Array:
-    """Mean over data replicas of a float value; XLA keeps an all-reduce over a
-    one-device axis (a copy of every gradient), so data = 1 skips it."""
-    if data == 1 or not jnp.issubdtype(v.dtype, jnp.floating):
+    """Mean over data replicas of a float value, floor of the mean of an integer one (a
+    count in a state collection: left alone, each replica kept its own and the array
+    claimed to be replicated was not); XLA keeps an all-reduce over a one-device axis (a
+    copy of every gradient), so data = 1 skips it."""
+    if data == 1 or not jnp.issubdtype(v.dtype, jnp.number):
         return v
+    if jnp.issubdtype(v.dtype, jnp.integer):
+        return lax.psum(v, DATA) // data
     return lax.pmean(v, DATA)
 
 

@@ -84,3 +84,15 @@ def merge_float(treedef, mask: Sequence[bool], floats: Sequence, others: Sequenc
 
 
 Loss = Callable[[PyTree, PyTree], jax.Array]
+
+
+def microbatch_loss(loss_fn: Loss, outputs: PyTree, targets: PyTree, num_microbatches: int):
+    """loss_fn(outputs, targets) / M as a float32 scalar. A loss that is not a scalar (an
+    unreduced per-example loss, a (loss, aux) tuple) is refused here, while tracing: else
+    it surfaced as "switch branches must have equal output types" from the runtime."""
+    loss = jnp.asarray(loss_fn(outputs, targets), jnp.float32)
+    if loss.shape != ():
+        raise ValueError(f"Pipeline: loss_fn(outputs, targets) must return a scalar (the "
+                         f"mean loss of one microbatch), got shape {loss.shape}; reduce it, "
+                         f"e.g. jnp.mean(...), and compute auxiliary values outside.")
+    return loss / num_microbatches

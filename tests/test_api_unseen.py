@@ -1,0 +1,370 @@
+"""`Pipeline` on layer lists written the way a researcher who did not write it would, then
+regressions of what they broke (docs/splitter.md, "Layer lists in researchers' styles").
+
+Exact against `jp.reference_value_and_grad` / a plain single-device optax update: dict
+inputs with int32 tokens and a bool mask, layers without parameters, a layer with only
+state, tuple and dict activations and outputs, dict targets, bfloat16 / float16
+activations and a dtype-changing layer, a scalar leaf crossing stage boundaries, five
+schedules; `train_step` with optax schedules, `inject_hyperparams` and `optax.masked`.
+Bad inputs: each must be one clear ValueError / TypeError naming the fix, raised while
+tracing or constructing, not from deep inside jax, flax or optax.
+"""
+import copy
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.layers import apply_layer
+from jaxhybrid.pipeline.stages import even_boundaries
+from jaxhybrid.schedules import make_schedule
+
+
+def _close(got, want, rtol=1e-5, atol=1e-6):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=rtol, atol=atol)
+
+
+def _sequential(layers, per_layer, x):
+    for layer, v in zip(layers, per_layer):
+        x, _ = apply_layer(layer, v, x, train=False)
+    return x
+
+
+# --- a token model: dict input, parameter-free and state-only layers, tuple output -----
+class Embed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return {"h": nn.Embed(11, 6)(x["ids"]), "mask": x["mask"]}   # int32 ids, bool mask
+
+
+class Gelu(nn.Module):          # no variables at all
+    def __call__(self, x):
+        return {"h": nn.gelu(x["h"]), "mask": x["mask"]}
+
+
+class Running(nn.Module):       # state only: a step count and a running mean
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        n = self.variable("counts", "n", lambda: jnp.zeros((), jnp.float32))
+        mean = self.variable("counts", "mean", lambda: jnp.zeros((6,), jnp.float32))
+        if train:
+            n.value = n.value + 1
+            mean.value = 0.9 * mean.value + 0.1 * x["h"].mean((0, 1))
+        return x
+
+
+class Mix(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return {"h": jnp.tanh(nn.Dense(6)(x["h"])), "mask": x["mask"]}
+
+
+class Pool(nn.Module):          # (logits, aux) tuple for loss_fn
+    @nn.compact
+    def __call__(self, x):
+        m = x["mask"].astype(jnp.float32)[..., None]
+        pooled = (x["h"] * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+        return nn.Dense(3)(pooled), jnp.mean(pooled ** 2)
+
+
+def token_loss(out, y):         # dict targets: labels and per-example weights
+    logits, aux = out
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits), y["label"][:, None], 1)[:, 0]
+    return -jnp.mean(lp * y["w"]) + 0.01 * aux
+
+
+TOKEN_LAYERS = [Embed(), Gelu(), Running(), Mix(), Mix(), Pool()]
+
+
+@functools.lru_cache(maxsize=None)
+def _token_case():
+    rs = np.random.RandomState(0)
+    b = 20
+    x = {"ids": jnp.asarray(rs.randint(0, 11, (b, 4)), jnp.int32),
+         "mask": jnp.asarray(rs.rand(b, 4) > 0.3)}
+    y = {"label": jnp.asarray(rs.randint(0, 3, (b,)), jnp.int32),
+         "w": jnp.asarray(rs.rand(b), jnp.float32)}
+    pipe = jp.Pipeline(TOKEN_LAYERS, mesh=jh.make_mesh(data=1, pipe=1))
+    per_layer = pipe.unpack(pipe.init(jax.random.key(0), x))
+    per_layer[2]["counts"] = jax.tree.map(lambda a: a + 0.5, per_layer[2]["counts"])
+    return x, y, per_layer
+
+
+def _check_exact(layers, per_layer, loss_fn, x, y, data, pipe_size, M, schedule, rng=None,
+                 grad_tol=(1e-5, 1e-6)):
+    stages = make_schedule(schedule, pipe_size, M).num_stages
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=data, pipe=pipe_size),
+                       num_microbatches=M, schedule=schedule, remat="none",
+                       boundaries=even_boundaries(len(layers), stages))
+    variables = pipe.pack(per_layer)
+    loss, grads, new = pipe.value_and_grad(loss_fn)(variables, x, y, rng)
+    ref_loss, ref_grads, ref_new = jp.reference_value_and_grad(
+        layers, per_layer, loss_fn, x, y, data=data, num_microbatches=M, rng=rng)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v.get("params", {}) for v in pipe.unpack(grads)], ref_grads, *grad_tol)
+    state = lambda vs: [{c: t for c, t in v.items() if c != "params"} for v in vs]
+    _close(state(pipe.unpack(new)), state(ref_new))
+    return pipe, variables
+
+
+@pytest.mark.parametrize("data,pipe_size,M,schedule", [
+    (2, 2, 5, "1f1b"), (1, 2, 2, "zbv"), (1, 4, 1, "zb-h1"), (2, 2, 1, "interleaved"),
+    (1, 2, 5, "gpipe")])
+def test_token_model_matches_reference(data, pipe_size, M, schedule):
+    x, y, per_layer = _token_case()
+    pipe, variables = _check_exact(TOKEN_LAYERS, per_layer, token_loss, x, y, data,
+                                   pipe_size, M, schedule)
+    logits, aux = pipe.apply(variables, x)   # aux: one value per microbatch (documented)
+    _close(logits, _sequential(TOKEN_LAYERS, per_layer, x)[0])
+    assert aux.shape == (data * M,)
+
+
+class Shift(nn.Module):         # no variables, int32 in and out: no gradient to send back
+    def __call__(self, ids):
+        return (ids + 1) % 11
+
+
+class BagOfWords(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return jnp.tanh(nn.Embed(11, 4)(ids).mean(1))
+
+
+def test_stages_without_parameters_or_float_outputs_match_reference():
+    # zbv: 4 stages of one layer; the first two hold nothing and pass only int32.
+    layers = [Shift(), Shift(), BagOfWords(), nn.Dense(4)]
+    x = jnp.asarray(np.random.RandomState(2).randint(0, 11, (12, 3)), jnp.int32)
+    y = jnp.asarray(np.random.RandomState(3).randn(12, 4), jnp.float32)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1))
+    per_layer = pipe.unpack(pipe.init(jax.random.key(0), x))
+    _check_exact(layers, per_layer, lambda o, t: jnp.mean((o - t) ** 2), x, y, 1, 2, 2, "zbv")
+
+
+# --- low precision: bf16 / f16 activations, a dtype change, int and bool leaves --------
+class LowIn(nn.Module):         # (features, positions) -> bf16 activations, ints, a bool
+    @nn.compact
+    def __call__(self, x):
+        feats, pos = x
+        h = nn.Dense(6, dtype=jnp.bfloat16)(feats) + nn.Embed(5, 6)(pos).astype(jnp.bfloat16)
+        return h, pos, pos > 1
+
+
+class Gate(nn.Module):          # parameter-free, consumes the bool leaf
+    def __call__(self, x):
+        h, pos, flag = x
+        return jnp.where(flag[:, None], nn.relu(h), h * 0.5), pos
+
+
+class Up(nn.Module):            # bfloat16 -> float32, dropout, a dict out
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h, pos = x
+        h = nn.Dropout(0.3, deterministic=not train)(nn.Dense(6)(h.astype(jnp.float32)))
+        return {"h": nn.LayerNorm()(h), "pos": pos}
+
+
+class Half(nn.Module):          # a float16 matmul inside
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(6, dtype=jnp.float16)(x["h"]).astype(jnp.float32) + x["h"]
+        return {"logits": nn.Dense(3)(h), "pos": x["pos"]}
+
+
+def low_loss(out, y):
+    lp = jnp.take_along_axis(jax.nn.log_softmax(out["logits"]), y[:, None], 1)
+    return -jnp.mean(lp) + 0.0 * out["pos"].sum()
+
+
+@pytest.mark.parametrize("data,pipe_size,M,schedule", [(2, 2, 5, "zb-h1"), (1, 4, 1, "1f1b")])
+def test_low_precision_model_matches_reference(data, pipe_size, M, schedule):
+    layers = [LowIn(), Gate(), Up(), Half()]
+    rs = np.random.RandomState(1)
+    x = (jnp.asarray(rs.randn(20, 4), jnp.float32), jnp.asarray(rs.randint(0, 5, (20,)), jnp.int32))
+    y = jnp.asarray(rs.randint(0, 3, (20,)), jnp.int32)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1))
+    per_layer = pipe.unpack(pipe.init(jax.random.key(0), x))
+    # bf16 rounding of the same values in another fusion: gradients agree to ~1e-5.
+    pipe, variables = _check_exact(layers, per_layer, low_loss, x, y, data, pipe_size, M,
+                                   schedule, rng=jax.random.key(3), grad_tol=(1e-4, 1e-5))
+    _close(pipe.apply(variables, x), _sequential(layers, per_layer, x))
+
+
+class Seen(nn.Module):           # an int32 count of positive rows in its own collection
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        seen = self.variable("stats", "seen", lambda: jnp.zeros((), jnp.int32))
+        if train:
+            seen.value += (x[:, 0] > 0).sum().astype(jnp.int32)
+        return x
+
+
+def test_integer_state_is_averaged_over_data_replicas():
+    # The replicas count 4 and 0 rows. Integer state skipped the data mean: each replica
+    # kept its own count in an array said to be replicated (unpack read replica 0's 4).
+    layers = [Seen(), Dense(), Dense()]
+    x = jnp.concatenate([jnp.ones((4, 4)), -jnp.ones((4, 4))])
+    y = jnp.zeros((8, 4))
+    for pipe_size, boundaries in [(2, [1]), (1, [])]:   # the tick and the one-stage program
+        pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=pipe_size),
+                           num_microbatches=2, boundaries=boundaries, remat="none")
+        variables = pipe.init(jax.random.key(0), x)
+        _, _, new = pipe.value_and_grad(mse)(variables, x, y)
+        _, _, ref = jp.reference_value_and_grad(layers, pipe.unpack(variables), mse, x, y,
+                                                data=2, num_microbatches=2)
+        got = pipe.unpack(new)[0]["stats"]["seen"]
+        assert got.dtype == np.int32 and ref[0]["stats"]["seen"].dtype == jnp.int32
+        assert int(got) == int(ref[0]["stats"]["seen"]) == 2
+
+
+# --- the optimizer inside the pipeline ---------------------------------------------------
+class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(4)(x))
+
+
+DENSE = [Dense(), Dense(), Dense(), Dense()]
+mse = lambda out, t: jnp.mean((out - t) ** 2)
+_RS = np.random.RandomState(0)
+X = jnp.asarray(_RS.randn(8, 3), jnp.float32)
+Y = jnp.asarray(_RS.randn(8, 4), jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_pipe():
+    """One pipeline (data 2 x pipe 2, 2 microbatches) shared by the tests below."""
+    pipe = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    return pipe, pipe.init(jax.random.key(0), X)
+
+
+def test_train_step_with_optax_transforms_matches_single_device():
+    pipe, variables = _dense_pipe()
+    lr = optax.linear_schedule(0.1, 0.01, 3)
+    decay_kernels = lambda p: jax.tree.map(lambda a: True, p)   # packed buffers: all leaves
+    for tx in [optax.adam(lr),
+               optax.inject_hyperparams(optax.adamw)(learning_rate=0.05, weight_decay=0.1),
+               optax.chain(optax.masked(optax.add_decayed_weights(0.1), decay_kernels),
+                           optax.sgd(lr, momentum=0.9))]:
+        v, opt = variables, pipe.init_optimizer(tx, variables)
+        params = [u["params"] for u in pipe.unpack(variables)]
+        ref_opt, step = tx.init(params), pipe.train_step(mse, tx)
+        for _ in range(2):
+            _, _, v, opt = step(v, opt, X, Y)
+            _, g, _ = jp.reference_value_and_grad(DENSE, [{"params": p} for p in params], mse,
+                                                  X, Y, data=2, num_microbatches=2)
+            updates, ref_opt = tx.update(g, ref_opt, params)
+            params = optax.apply_updates(params, updates)
+        _close([u["params"] for u in pipe.unpack(v)], params)
+
+
+def test_train_step_refuses_optimizers_that_are_not_per_element():
+    # They ran and silently differed from the unsplit model (a clip saw one device's
+    # buffers; lamb's trust ratio a packed buffer's norm).
+    pipe, variables = _dense_pipe()
+    for tx in [optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)), optax.lamb(1e-2)]:
+        with pytest.raises(ValueError, match="per element.*value_and_grad"):
+            pipe.train_step(mse, tx)
+        with pytest.raises(ValueError, match="per element"):
+            pipe.init_optimizer(tx, variables)
+
+
+def test_train_step_names_a_wrong_opt_state():
+    pipe, variables = _dense_pipe()
+    tx = optax.adam(0.1)
+    step = pipe.train_step(mse, tx)
+    per_layer_params = [u["params"] for u in pipe.unpack(variables)]
+    for opt in [None, pipe.init_optimizer(optax.sgd(0.1, momentum=0.9), variables),
+                tx.init(per_layer_params)]:
+        with pytest.raises(ValueError, match=r"pipe.init_optimizer\(optimizer, variables\)"):
+            step(variables, opt, X, Y)
+
+
+def test_a_mask_of_per_layer_params_is_named():
+    # The optimizer sees packed buffers: a mask tree of the layers failed inside optax
+    # with "pytree structure error" that did not say so.
+    pipe, variables = _dense_pipe()
+    mask = [jax.tree.map(lambda a: a.ndim > 1, u["params"]) for u in pipe.unpack(variables)]
+    tx = optax.chain(optax.masked(optax.add_decayed_weights(0.1), mask), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="packed buffers, not per-layer trees"):
+        pipe.init_optimizer(tx, variables)
+    with pytest.raises(ValueError, match="packed buffers, not per-layer trees"):
+        pipe.train_step(mse, tx)
+
+
+# --- bad inputs: one clear error each ---------------------------------------------------
+def test_step_and_apply_name_variables_that_are_not_this_pipelines():
+    pipe, variables = _dense_pipe()
+    grad_fn = pipe.value_and_grad(mse)
+    _, grads, _ = grad_fn(variables, X, Y)
+    per_layer = pipe.unpack(variables)
+    other = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=1, pipe=4), boundaries=[1, 2, 3],
+                        remat="none").pack(per_layer)
+    for bad, what in [(per_layer, "pipe.pack"), (grads, "pipe.pack"), (other, "another pipeline")]:
+        with pytest.raises(ValueError, match=what):
+            grad_fn(bad, X, Y)
+        with pytest.raises(ValueError, match=what):
+            pipe.apply(bad, X)
+    with pytest.raises(ValueError, match="another pipeline"):
+        pipe.unpack(other)
+
+
+def test_pack_of_other_shapes_then_stale_variables_are_named():
+    pipe = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    variables = pipe.init(jax.random.key(0), X)
+    wide = copy.deepcopy(pipe.unpack(variables))
+    wide[0]["params"]["Dense_0"]["kernel"] = np.ones((5, 4), np.float32)
+    repacked = pipe.pack(wide)              # lays the pipeline out for the new shapes
+    with pytest.raises(ValueError, match="before a pipe.pack of other shapes"):
+        pipe.unpack(variables)
+    with pytest.raises(ValueError, match="do not fit the packed variables.*sample_inputs"):
+        pipe.value_and_grad(mse)(repacked, X, Y)   # was flax's ScopeParamShapeError
+
+
+def test_bad_step_inputs_are_named():
+    pipe, variables = _dense_pipe()
+    grad_fn = pipe.value_and_grad(mse)
+    with pytest.raises(ValueError, match="one target row per input"):
+        grad_fn(variables, X, Y[:4])                           # was a broadcasting error in mse
+    with pytest.raises(ValueError, match="do not fit the packed variables"):
+        grad_fn(variables, jnp.ones((8, 5)), Y)                # was ScopeParamShapeError
+    with pytest.raises(ValueError, match="do not fit the packed variables"):
+        pipe.apply(variables, jnp.ones((8, 5)))
+    for loss_fn in [lambda o, t: (o - t) ** 2, lambda o, t: (mse(o, t), jnp.float32(0))]:
+        with pytest.raises(ValueError, match="must return a scalar"):
+            pipe.value_and_grad(loss_fn)(variables, X, Y)      # was "switch branches must ..."
+    one = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=2, pipe=1), num_microbatches=2, remat="none",
+                      boundaries=[])
+    one_vars = one.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="must return a scalar"):   # the one-stage program
+        one.value_and_grad(lambda o, t: (o - t) ** 2)(one_vars, X, Y)
+    for rng in [3, jnp.ones(2), jax.random.split(jax.random.key(0), 3)]:
+        with pytest.raises(ValueError, match="one PRNG key"):  # was "Cannot lower jaxpr"
+            grad_fn(variables, X, Y, rng)
+
+
+def test_bad_constructor_arguments_are_named():
+    mesh = jh.make_mesh(data=1, pipe=2)
+    make = lambda **kw: jp.Pipeline(DENSE, mesh=mesh, **{"remat": "none", **kw})
+    for boundaries in [2, [1.5], ["a"], [[2]]]:   # an int error, 1.5 -> 1, int("a")
+        with pytest.raises(TypeError, match="layer ind"):
+            make(boundaries=boundaries)
+    assert make(boundaries=np.array([2])).boundaries == [2]
+    with pytest.raises(ValueError, match="num_microbatches=True"):
+        make(num_microbatches=True, boundaries=[2])
+    # Read in the constructor, not in init after every layer was profiled (compiled).
+    with pytest.raises(ValueError, match="memory_budget='bogus'.*2GB"):
+        make(remat="auto", memory_budget="bogus")
+    with pytest.raises(ValueError, match="topology='bogus'.*Grammar"):
+        make(topology="bogus")
