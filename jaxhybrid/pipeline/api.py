@@ -10,91 +10,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.layers import init_layer, raw_key
+from jaxhybrid.layers import raw_key
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
                                 tables, zero)
+from jaxhybrid.pipeline.arguments import (batch_size_of, check_plan_inputs, checked_mesh,
+                                         checked_schedule, checked_zero, rng_hint)
+from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
-from jaxhybrid.schedules import Schedule, forward_schedule, make_schedule
+from jaxhybrid.schedules import Schedule, forward_schedule
 from jaxhybrid.schedules.asynchronous import synchronous_view
 
 PyTree = Any
 
 
-def _checked_mesh(mesh) -> Mesh:
-    if not isinstance(mesh, Mesh) or set(mesh.axis_names) not in ({DATA, PIPE},
-                                                                   {DATA, PIPE, MODEL}):
-        names = getattr(mesh, "axis_names", None)
-        raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
-                         f"'pipe', 'model'), got {names}; build it with "
-                         f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
-    return mesh
-
-
-def _checked_zero(zero) -> bool:
-    if zero not in (0, 1, False, True):
-        raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
-                         f"or 1 (optimizer state sharded over 'data').")
-    return bool(zero)
-
-
-def _checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
-                      num_layers: int) -> Schedule:
-    """The schedule built by name (or a user's own), checked against the other options."""
-    options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
-    if options and schedule != "interleaved":
-        raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
-                         f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
-    sched = make_schedule(schedule, pipe, M, **options)
-    if zero and sched.weights != "sync":
-        raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
-                         f"schedule {sched.name!r} updates per gradient window "
-                         f"(weight versions per replica): use zero=0 with it.")
-    if sched.num_stages > num_layers:
-        v = sched.virtual_stages
-        how = f" ({pipe} devices x {v} virtual)" if v > 1 else ""
-        raise ValueError(f"Pipeline: {sched.num_stages} stages{how} but only {num_layers} "
-                         f"layers; use a mesh with pipe <= {num_layers // v}"
-                         f"{' or fewer virtual stages' if v > 1 else ''}, "
-                         f"or split the model into more layers.")
-    return sched
-
-
-def _check_plan_inputs(memory_budget, topology) -> None:
-    """Reads memory_budget and a topology spec now: the planner read them only in `init`,
-    after profiling (compiling) every layer."""
-    from jaxhybrid.plan.topology import Topology, parse_bytes   # pure: no pipeline import
-    for what, value, read in (("memory_budget", memory_budget, parse_bytes),
-                              ("topology", topology, Topology.from_spec)):
-        if value is not None and (what == "memory_budget" or isinstance(value, str)):
-            try:
-                read(value)
-            except ValueError as e:
-                raise ValueError(f"Pipeline: {what}={value!r}: {e}") from e
-
-
-def _batch_size(tree: PyTree, what: str) -> int:
-    """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
-    naming the fix: the pipeline cuts each leaf into microbatches along it."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        raise ValueError(f"Pipeline: {what} is empty.")
-    batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
-    if len(batch) != 1 or None in batch:
-        raise ValueError(
-            f"Pipeline: every leaf of {what} needs the same leading batch dimension (it is "
-            f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
-            f"that is not per-example (a temperature, a table) as a constant, e.g. in "
-            f"call_kwargs=, or tile it to the batch.")
-    return batch.pop()
-
-
-class Pipeline:
+class Pipeline(PipelineVariables):
     """Runs `layers` (applied in order) as pipeline stages on `mesh.shape["pipe"]`
     devices (one stage each, or several with virtual stages), each replicated over
     `mesh.shape["data"]` data-parallel replicas.
@@ -141,7 +76,7 @@ class Pipeline:
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
-        self.mesh = _checked_mesh(mesh)
+        self.mesh = checked_mesh(mesh)
         # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
         self.model = int(dict(mesh.shape).get(MODEL, 1))
         self.stage_spec = P((PIPE, MODEL)) if MODEL in mesh.axis_names else P(PIPE)
@@ -151,12 +86,12 @@ class Pipeline:
                              "tensor-parallel layouts come from each layer's init).")
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
-        self.zero = _checked_zero(zero)
+        self.zero = checked_zero(zero)
         if (not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1
                 or isinstance(num_microbatches, bool)):   # True is an int, not a count
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
-        self.schedule = _checked_schedule(schedule, self.pipe_size, self.num_microbatches,
+        self.schedule = checked_schedule(schedule, self.pipe_size, self.num_microbatches,
                                           virtual_stages, self.zero, len(self.layers))
         # A "stage" is a piece of the model: S x v of them with v virtual stages per device.
         self.num_stages = self.schedule.num_stages
@@ -165,7 +100,7 @@ class Pipeline:
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
         self.memory_budget, self.topology = memory_budget, topology
-        _check_plan_inputs(memory_budget, topology)
+        check_plan_inputs(memory_budget, topology)
         self._plan, self._sample = None, None
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
         self._init_program = None   # the jitted initialiser of `init_layers`
@@ -196,7 +131,7 @@ class Pipeline:
     # --- planning -------------------------------------------------------------------
     def _microbatch_sample(self, sample_inputs):
         """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
-        b = _batch_size(sample_inputs, "sample_inputs")
+        b = batch_size_of(sample_inputs, "sample_inputs")
         n = self.data * self.num_microbatches
         rows = b // n if b % n == 0 else b
         return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs)
@@ -338,138 +273,9 @@ class Pipeline:
             self._plan, self._needs_plan = plan, False
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
 
-    # --- variables ------------------------------------------------------------------
-    def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
-        """Initialises every layer (in order, on the first example of `sample_inputs`) and
-        returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
-        (buffer keys: see `jaxhybrid.pipeline.packing`)."""
-        self.make_plan(sample_inputs)
-        if self.splitter is not None:
-            return self.pack(self.splitter.init_variables(rng, sample_inputs))
-        if self.model > 1:   # which dimensions each layer's logical names split
-            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)[1:]), a.dtype),
-                             sample_inputs)
-            for i, layer in enumerate(self.layers):
-                self._record_split_dims(i, layer, x)
-                x = jax.eval_shape(functools.partial(init_layer, layer, train=False),
-                                   jax.random.fold_in(rng, i), x)[1]
-        return self.pack(self.init_layers(rng, sample_inputs))
-
-    def init_layers(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
-        """Per-layer variables, initialised in order on the first example of
-        `sample_inputs` with key `fold_in(rng, i)` for layer i: what `init` packs. Needs
-        no plan, so it can run while the planner profiles (`jaxhybrid.train` does);
-        `pipe.pack(pipe.init_layers(rng, x))` equals `pipe.init(rng, x)`. A list of
-        layers only (a split model initialises through its splitter)."""
-        program, x = self._initialiser(sample_inputs)
-        # Non-partitionable threefry: initialisers run unsharded here, and XLA CPU takes
-        # about twice as long to compile the partitionable variant (Inception: 48 s -> 23 s).
-        with jax.threefry_partitionable(False):
-            return program(rng, x)
-
-    def init_layer_shapes(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
-        """What `init_layers` returns, as jax.ShapeDtypeStructs, from tracing alone; the
-        trace is the one `init_layers` then compiles (jax keeps it), so asking first
-        costs nothing extra. Lets the training step compile before the values exist."""
-        program, x = self._initialiser(sample_inputs)
-        with jax.threefry_partitionable(False):
-            return program.trace(rng, x).out_info
-
-    def _initialiser(self, sample_inputs):
-        """(The jitted all-layers initialiser, its input: the first example)."""
-        if self.splitter is not None:
-            raise ValueError("Pipeline.init_layers: a split model is initialised by "
-                             "pipe.init(rng, sample_inputs).")
-        if self._init_program is None:
-            # One program for all layers: XLA drops the forward passes that no
-            # initialiser reads, and compiles once instead of once per layer (Inception:
-            # 17 programs). One jitted function per pipeline, so that its traces are kept.
-            self._init_program = jax.jit(functools.partial(_init_in_order, tuple(self.layers)))
-        return self._init_program, jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
-
-    def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
-        if self._split_dims is None:
-            self._split_dims = [None] * len(self.layers)
-        self._split_dims[i] = model_shards.split_dims(layer, x)
-
-    def pack(self, per_layer: Sequence[dict]) -> dict:
-        """Per-layer flax variable dicts -> packed, sharded stage variables."""
-        per_layer = self._checked_layer_vars(per_layer, "pack")
-        self._set_layer_vars(per_layer)
-        sharding = NamedSharding(self.mesh, self.stage_spec)
-        out = {}
-        for c in ["params", *self.state_collections]:
-            lengths = self.param_len if c == "params" else self.state_len[c]
-            # One row per (pipe device, model shard), pipe-major like the "stage_spec".
-            rows = [packing.pack_numpy(self.param_layouts[d][c],
-                                       [self._model_shard(i, c, per_layer[i].get(c, {}), j)
-                                        for i in layers], lengths)
-                    for d, layers in enumerate(self.device_layers) for j in range(self.model)]
-            out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
-        return out
-
-    def set_layer_shapes(self, per_layer: Sequence[dict]) -> None:
-        """Lays the buffers out for per-layer variables given by shape alone (e.g.
-        `init_layer_shapes`), as `pack` would for their values: the step can then be
-        traced and compiled (on `abstract_variables`) before the values exist."""
-        self._set_layer_vars(self._checked_layer_vars(per_layer, "set_layer_shapes"))
-
-    def abstract_variables(self) -> dict:
-        """What `pack` returns, as jax.ShapeDtypeStructs with the same shardings."""
-        self._require_vars()
-        sharding = NamedSharding(self.mesh, self.stage_spec)
-        rows = self.pipe_size * self.model
-        return {c: {k: jax.ShapeDtypeStruct((rows, n), packing.dtype_of(k), sharding=sharding)
-                    for k, n in (self.param_len if c == "params" else self.state_len[c]).items()}
-                for c in ["params", *self.state_collections]}
-
-    def _checked_layer_vars(self, per_layer: Sequence[dict], who: str) -> list[dict]:
-        """`per_layer` (the model's own tree for a split model) as unboxed per-layer
-        dicts, after the checks that a layout can be made from them."""
-        if self._needs_plan:
-            raise ValueError(f"Pipeline.{who}: the planner has not chosen the stages yet; call "
-                             "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
-                             "remat other than 'auto' with a memory_budget).")
-        if self.splitter is not None:   # the model's own variable tree -> per piece
-            per_layer = self.splitter.to_layer_vars(per_layer)
-        if len(per_layer) != len(self.layers):
-            raise ValueError(f"Pipeline.{who}: got variables for {len(per_layer)} layers, the "
-                             f"pipeline has {len(self.layers)}.")
-        if self.model > 1 and self._split_dims is None:
-            raise ValueError(f"Pipeline.{who}: with a 'model' mesh axis call pipe.init(rng, "
-                             "sample_inputs) first (it learns which parameter dimensions "
-                             "are split over 'model').")
-        return [nn.meta.unbox(dict(v)) for v in per_layer]
-
-    def unpack(self, variables: dict) -> list[dict]:
-        """Packed variables -> list of per-layer flax variable dicts (numpy, portable).
-        Packed gradients (`value_and_grad`'s grads: the "params" buffers alone) unpack
-        to per-layer {"params": ...} dicts."""
-        self._require_vars()
-        if "params" not in variables:
-            keys = {k for d in self.param_layouts for k in d["params"].size_of}
-            if not variables or not set(variables) <= keys:
-                raise ValueError(f"Pipeline.unpack: got a tree with keys {sorted(variables)}; "
-                                 "pass packed variables (from pipe.init or a step) or packed "
-                                 f"gradients (buffers {sorted(keys)}).")
-            variables = {"params": variables}
-        packing.check_packed(variables, {c: b for c, b in self.abstract_variables().items()
-                                         if c in variables}, "unpack")
-        host = jax.device_get(variables)
-        per_layer = [dict() for _ in self.layers]
-        for c in ["params", *(c for c in self.state_collections if c in host)]:
-            for d, layers in enumerate(self.device_layers):
-                shards = [packing.unpack_numpy(self.param_layouts[d][c],
-                                               {k: v[d * self.model + j] for k, v in host[c].items()})
-                          for j in range(self.model)]
-                for n, i in enumerate(layers):
-                    if c in self._layer_vars[i]:
-                        per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
-        return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
-
     # --- execution ------------------------------------------------------------------
     def _microbatch(self, tree: PyTree, what: str) -> PyTree:
-        b = _batch_size(tree, what)
+        b = batch_size_of(tree, what)
         n = self.data * self.num_microbatches
         if b % n:
             raise ValueError(f"Pipeline: {what} batch {b} is not divisible by data x "
@@ -496,10 +302,10 @@ class Pipeline:
     def _train_body(self, loss_fn, inputs, targets, rng, train, optimizer):
         """The per-device program of one step, for these shapes."""
         mb_in, mb_tg = self._microbatch(inputs, "inputs"), self._microbatch(targets, "targets")
-        if _batch_size(inputs, "inputs") != _batch_size(targets, "targets"):
+        if batch_size_of(inputs, "inputs") != batch_size_of(targets, "targets"):
             # Else microbatch m of the inputs met another slice of the targets in loss_fn.
-            raise ValueError(f"Pipeline: inputs have batch {_batch_size(inputs, 'inputs')}, "
-                             f"targets {_batch_size(targets, 'targets')}; pass one target "
+            raise ValueError(f"Pipeline: inputs have batch {batch_size_of(inputs, 'inputs')}, "
+                             f"targets {batch_size_of(targets, 'targets')}; pass one target "
                              f"row per input example.")
         eng = self.engine()
         if self.num_stages == 1 and optimizer is None:
@@ -554,7 +360,7 @@ class Pipeline:
 
         def step(variables, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "value_and_grad")
-            with _rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"), \
+            with rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 loss, grads, new_state = jitted(variables, inputs, targets, rng)
             # Merged outside the jit: returning the unchanged params from it would make
@@ -601,7 +407,7 @@ class Pipeline:
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state)
-            with _rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
+            with rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)
 
@@ -624,7 +430,7 @@ class Pipeline:
             return self._cache[key](variables, inputs, rng)
 
     def _apply(self, variables, inputs, rng, *, train):
-        with _rng_hint("apply(variables, inputs, train=True, rng=key)" if train else
+        with rng_hint("apply(variables, inputs, train=True, rng=key)" if train else
                        "apply(variables, inputs, rng=key)", train), \
                 tensor_parallel.degree(self.model):
             mb_in = self._microbatch(inputs, "inputs")
@@ -672,27 +478,6 @@ class Pipeline:
         per_device = sum(self.param_len.values())
         return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
                     padding_waste=1.0 - sum(used) / max(1, per_device * self.pipe_size))
-
-
-@contextlib.contextmanager
-def _rng_hint(call: str, train: bool = True):
-    """flax's missing-rng error names a module, not the fix; name the fix (for the mode
-    the call runs in: a VAE samples in evaluation mode too)."""
-    try:
-        yield
-    except flax.errors.InvalidRngError as e:
-        mode = "while training" if train else "in evaluation mode (train=False)"
-        raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) {mode}; "
-                         f"pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
-
-
-def _init_in_order(layers, rng, x) -> list[dict]:
-    """Each layer's variables (key fold_in(rng, i)), each on the previous one's output."""
-    per_layer = []
-    for i, layer in enumerate(layers):
-        variables, x = init_layer(layer, jax.random.fold_in(rng, i), x, train=False)
-        per_layer.append(variables)
-    return per_layer
 
 
 _PROFILE_CACHE: dict = {}

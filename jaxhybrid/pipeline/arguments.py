@@ -1,0 +1,96 @@
+"""The checks of `Pipeline`'s arguments and calls: each bad value is one ValueError that
+names the fix, raised before anything is traced or compiled."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import flax
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxhybrid.mesh import DATA, MODEL, PIPE
+from jaxhybrid.schedules import Schedule, make_schedule
+
+PyTree = Any
+
+
+def checked_mesh(mesh) -> Mesh:
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) not in ({DATA, PIPE},
+                                                                   {DATA, PIPE, MODEL}):
+        names = getattr(mesh, "axis_names", None)
+        raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
+                         f"'pipe', 'model'), got {names}; build it with "
+                         f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
+    return mesh
+
+
+def checked_zero(zero) -> bool:
+    if zero not in (0, 1, False, True):
+        raise ValueError(f"Pipeline: zero={zero!r} must be 0 (replicated optimizer state) "
+                         f"or 1 (optimizer state sharded over 'data').")
+    return bool(zero)
+
+
+def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
+                      num_layers: int) -> Schedule:
+    """The schedule built by name (or a user's own), checked against the other options."""
+    options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
+    if options and schedule != "interleaved":
+        raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
+                         f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
+    sched = make_schedule(schedule, pipe, M, **options)
+    if zero and sched.weights != "sync":
+        raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
+                         f"schedule {sched.name!r} updates per gradient window "
+                         f"(weight versions per replica): use zero=0 with it.")
+    if sched.num_stages > num_layers:
+        v = sched.virtual_stages
+        how = f" ({pipe} devices x {v} virtual)" if v > 1 else ""
+        raise ValueError(f"Pipeline: {sched.num_stages} stages{how} but only {num_layers} "
+                         f"layers; use a mesh with pipe <= {num_layers // v}"
+                         f"{' or fewer virtual stages' if v > 1 else ''}, "
+                         f"or split the model into more layers.")
+    return sched
+
+
+def check_plan_inputs(memory_budget, topology) -> None:
+    """Reads memory_budget and a topology spec now: the planner read them only in `init`,
+    after profiling (compiling) every layer."""
+    from jaxhybrid.plan.topology import Topology, parse_bytes   # pure: no pipeline import
+    for what, value, read in (("memory_budget", memory_budget, parse_bytes),
+                              ("topology", topology, Topology.from_spec)):
+        if value is not None and (what == "memory_budget" or isinstance(value, str)):
+            try:
+                read(value)
+            except ValueError as e:
+                raise ValueError(f"Pipeline: {what}={value!r}: {e}") from e
+
+
+def batch_size_of(tree: PyTree, what: str) -> int:
+    """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
+    naming the fix: the pipeline cuts each leaf into microbatches along it."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"Pipeline: {what} is empty.")
+    batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
+    if len(batch) != 1 or None in batch:
+        raise ValueError(
+            f"Pipeline: every leaf of {what} needs the same leading batch dimension (it is "
+            f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
+            f"that is not per-example (a temperature, a table) as a constant, e.g. in "
+            f"call_kwargs=, or tile it to the batch.")
+    return batch.pop()
+
+
+@contextlib.contextmanager
+def rng_hint(call: str, train: bool = True):
+    """flax's missing-rng error names a module, not the fix; name the fix (for the mode
+    the call runs in: a VAE samples in evaluation mode too)."""
+    try:
+        yield
+    except flax.errors.InvalidRngError as e:
+        mode = "while training" if train else "in evaluation mode (train=False)"
+        raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) {mode}; "
+                         f"pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e

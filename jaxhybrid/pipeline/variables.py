@@ -1,0 +1,158 @@
+"""`Pipeline`'s variables: per-layer flax variables initialised in order, packed into
+each device's stage buffers (`jaxhybrid.pipeline.packing`) and unpacked back, with the
+shards of a "model" axis (`model_shards`). A mixin of `Pipeline` (api.py), which holds
+the layout these methods read (`param_layouts`, `device_layers`, `_layer_vars`)."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxhybrid.layers import init_layer
+from jaxhybrid.pipeline import model_shards, packing
+
+PyTree = Any
+
+
+class PipelineVariables:
+    def init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
+        """Initialises every layer (in order, on the first example of `sample_inputs`) and
+        returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
+        (buffer keys: see `jaxhybrid.pipeline.packing`)."""
+        self.make_plan(sample_inputs)
+        if self.splitter is not None:
+            return self.pack(self.splitter.init_variables(rng, sample_inputs))
+        if self.model > 1:   # which dimensions each layer's logical names split
+            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)[1:]), a.dtype),
+                             sample_inputs)
+            for i, layer in enumerate(self.layers):
+                self._record_split_dims(i, layer, x)
+                x = jax.eval_shape(functools.partial(init_layer, layer, train=False),
+                                   jax.random.fold_in(rng, i), x)[1]
+        return self.pack(self.init_layers(rng, sample_inputs))
+
+    def init_layers(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
+        """Per-layer variables, initialised in order on the first example of
+        `sample_inputs` with key `fold_in(rng, i)` for layer i: what `init` packs. Needs
+        no plan, so it can run while the planner profiles (`jaxhybrid.train` does);
+        `pipe.pack(pipe.init_layers(rng, x))` equals `pipe.init(rng, x)`. A list of
+        layers only (a split model initialises through its splitter)."""
+        program, x = self._initialiser(sample_inputs)
+        # Non-partitionable threefry: initialisers run unsharded here, and XLA CPU takes
+        # about twice as long to compile the partitionable variant (Inception: 48 s -> 23 s).
+        with jax.threefry_partitionable(False):
+            return program(rng, x)
+
+    def init_layer_shapes(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
+        """What `init_layers` returns, as jax.ShapeDtypeStructs, from tracing alone; the
+        trace is the one `init_layers` then compiles (jax keeps it), so asking first
+        costs nothing extra. Lets the training step compile before the values exist."""
+        program, x = self._initialiser(sample_inputs)
+        with jax.threefry_partitionable(False):
+            return program.trace(rng, x).out_info
+
+    def _initialiser(self, sample_inputs):
+        """(The jitted all-layers initialiser, its input: the first example)."""
+        if self.splitter is not None:
+            raise ValueError("Pipeline.init_layers: a split model is initialised by "
+                             "pipe.init(rng, sample_inputs).")
+        if self._init_program is None:
+            # One program for all layers: XLA drops the forward passes that no
+            # initialiser reads, and compiles once instead of once per layer (Inception:
+            # 17 programs). One jitted function per pipeline, so that its traces are kept.
+            self._init_program = jax.jit(functools.partial(_init_in_order, tuple(self.layers)))
+        return self._init_program, jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
+
+    def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
+        if self._split_dims is None:
+            self._split_dims = [None] * len(self.layers)
+        self._split_dims[i] = model_shards.split_dims(layer, x)
+
+    def pack(self, per_layer: Sequence[dict]) -> dict:
+        """Per-layer flax variable dicts -> packed, sharded stage variables."""
+        per_layer = self._checked_layer_vars(per_layer, "pack")
+        self._set_layer_vars(per_layer)
+        sharding = NamedSharding(self.mesh, self.stage_spec)
+        out = {}
+        for c in ["params", *self.state_collections]:
+            lengths = self.param_len if c == "params" else self.state_len[c]
+            # One row per (pipe device, model shard), pipe-major like the "stage_spec".
+            rows = [packing.pack_numpy(self.param_layouts[d][c],
+                                       [self._model_shard(i, c, per_layer[i].get(c, {}), j)
+                                        for i in layers], lengths)
+                    for d, layers in enumerate(self.device_layers) for j in range(self.model)]
+            out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
+        return out
+
+    def set_layer_shapes(self, per_layer: Sequence[dict]) -> None:
+        """Lays the buffers out for per-layer variables given by shape alone (e.g.
+        `init_layer_shapes`), as `pack` would for their values: the step can then be
+        traced and compiled (on `abstract_variables`) before the values exist."""
+        self._set_layer_vars(self._checked_layer_vars(per_layer, "set_layer_shapes"))
+
+    def abstract_variables(self) -> dict:
+        """What `pack` returns, as jax.ShapeDtypeStructs with the same shardings."""
+        self._require_vars()
+        sharding = NamedSharding(self.mesh, self.stage_spec)
+        rows = self.pipe_size * self.model
+        return {c: {k: jax.ShapeDtypeStruct((rows, n), packing.dtype_of(k), sharding=sharding)
+                    for k, n in (self.param_len if c == "params" else self.state_len[c]).items()}
+                for c in ["params", *self.state_collections]}
+
+    def _checked_layer_vars(self, per_layer: Sequence[dict], who: str) -> list[dict]:
+        """`per_layer` (the model's own tree for a split model) as unboxed per-layer
+        dicts, after the checks that a layout can be made from them."""
+        if self._needs_plan:
+            raise ValueError(f"Pipeline.{who}: the planner has not chosen the stages yet; call "
+                             "pipe.init(rng, sample_inputs) first, or pass boundaries= (and a "
+                             "remat other than 'auto' with a memory_budget).")
+        if self.splitter is not None:   # the model's own variable tree -> per piece
+            per_layer = self.splitter.to_layer_vars(per_layer)
+        if len(per_layer) != len(self.layers):
+            raise ValueError(f"Pipeline.{who}: got variables for {len(per_layer)} layers, the "
+                             f"pipeline has {len(self.layers)}.")
+        if self.model > 1 and self._split_dims is None:
+            raise ValueError(f"Pipeline.{who}: with a 'model' mesh axis call pipe.init(rng, "
+                             "sample_inputs) first (it learns which parameter dimensions "
+                             "are split over 'model').")
+        return [nn.meta.unbox(dict(v)) for v in per_layer]
+
+    def unpack(self, variables: dict) -> list[dict]:
+        """Packed variables -> list of per-layer flax variable dicts (numpy, portable).
+        Packed gradients (`value_and_grad`'s grads: the "params" buffers alone) unpack
+        to per-layer {"params": ...} dicts."""
+        self._require_vars()
+        if "params" not in variables:
+            keys = {k for d in self.param_layouts for k in d["params"].size_of}
+            if not variables or not set(variables) <= keys:
+                raise ValueError(f"Pipeline.unpack: got a tree with keys {sorted(variables)}; "
+                                 "pass packed variables (from pipe.init or a step) or packed "
+                                 f"gradients (buffers {sorted(keys)}).")
+            variables = {"params": variables}
+        packing.check_packed(variables, {c: b for c, b in self.abstract_variables().items()
+                                         if c in variables}, "unpack")
+        host = jax.device_get(variables)
+        per_layer = [dict() for _ in self.layers]
+        for c in ["params", *(c for c in self.state_collections if c in host)]:
+            for d, layers in enumerate(self.device_layers):
+                shards = [packing.unpack_numpy(self.param_layouts[d][c],
+                                               {k: v[d * self.model + j] for k, v in host[c].items()})
+                          for j in range(self.model)]
+                for n, i in enumerate(layers):
+                    if c in self._layer_vars[i]:
+                        per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
+        return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
+
+
+def _init_in_order(layers, rng, x) -> list[dict]:
+    """Each layer's variables (key fold_in(rng, i)), each on the previous one's output."""
+    per_layer = []
+    for i, layer in enumerate(layers):
+        variables, x = init_layer(layer, jax.random.fold_in(rng, i), x, train=False)
+        per_layer.append(variables)
+    return per_layer
