@@ -196,12 +196,6 @@ def define_config_flag(name: str = "config", default: str | None = None,
     return flags.DEFINE_flag(flag, flag_values)
 
 
-__all__ = ["CONFIG_DIR", "available_configs", "base_config", "config_keys",
-           "define_config_flag", "load_config", "resolve_config_path", "set_dotted"]
-
-
-
-
 class IntListParser(flags.ListParser):
     """absl parser of a comma-separated list of whole numbers >= `minimum`: a bad entry
     stops flag parsing with one line naming the flag, the entry and the form to use."""
@@ -229,3 +223,8 @@ def define_int_list(name: str, default, help: str, minimum: int = 1) -> None:   
     when the flags are parsed (`IntListParser`)."""
     flags.DEFINE(IntListParser(minimum), name, default, help,
                  serializer=flags.CsvListSerializer(","))
+
+
+__all__ = ["CONFIG_DIR", "IntListParser", "available_configs", "base_config", "config_keys",
+           "define_config_flag", "define_int_list", "load_config", "resolve_config_path",
+           "set_dotted"]
