@@ -7,6 +7,7 @@
     python scripts/bench.py burst        # burst / multiplexed CPU-seconds, device-time check
     python scripts/bench.py sharding     # params / Adam bytes per device: model axis, ZeRO
     python scripts/bench.py async        # convergence study of the asynchronous schedules
+    python scripts/bench.py collectives  # CPU cost of a lock-step tick's collectives
 
 `python scripts/bench.py MODE --help` lists a mode's flags. On a host without GPUs the
 8 simulated CPU devices are set up here, before jax starts.
@@ -21,7 +22,8 @@ MODES = {"pipeline": "jaxhybrid.bench.pipeline_bench",
          "memory": "jaxhybrid.bench.memory_bench",
          "burst": "jaxhybrid.bench.burst_bench",
          "sharding": "jaxhybrid.bench.sharding_bench",
-         "async": "jaxhybrid.bench.async_bench"}
+         "async": "jaxhybrid.bench.async_bench",
+         "collectives": "jaxhybrid.bench.collectives_bench"}
 
 
 def main() -> None:

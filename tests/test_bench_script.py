@@ -54,11 +54,25 @@ def test_async_bench_prints_the_study_table(tmp_path):
     assert re.search(r"staleness per stage \[1, 0\]", r.stdout)
 
 
+def test_collectives_bench_prints_every_variant():
+    r = subprocess.run([sys.executable, BENCH, "collectives", "--devices=2", "--widths=16",
+                        "--microbatches=2,4", "--ticks=3", "--repeats=1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cell = r"\s+(-?[\d.]+) \[\s*(-?[\d.]+)\]\s*"
+    for mb in (2, 4):   # six variants per row; `none` is the zero of the extra column
+        row = re.search(rf"^\s+16\s+{mb} \|" + r"\|".join([cell] * 6) + "$",
+                        r.stdout, re.M)
+        assert row, r.stdout
+        assert float(row.group(2)) == 0.0 and all(float(x) > 0 for x in row.groups()[::2])
+
+
 @pytest.mark.parametrize("args,message", [
     (["pipeline", "--speed_widths=abc"], "flag --speed_widths=abc: 'abc' is not a whole number"),
     (["async", "--tasks=foo"], "bench async: --tasks: unknown ['foo']; choose from digits, text."),
     (["sharding", "--meshes=1x2"], "bench sharding: layout '1x2': write data x pipe x model"),
     (["projection", "--val_configs=2x4"], "write [schedule:]data x pipe x microbatches"),
+    (["collectives", "--devices=1"], "bench collectives: --devices=1 must be 2..8"),
 ])
 def test_bench_modes_reject_bad_flags_in_one_line(args, message):
     """Before any figure is measured: a bad list entry stops flag parsing; the modes'

@@ -40,6 +40,7 @@ from absl import app, flags
 import jaxhybrid as jh
 from jaxhybrid.config_flags import define_int_list
 from jaxhybrid.bench.mlp import Block, Head, xent
+from jaxhybrid.bench.timing import least
 from jaxhybrid import pipeline as jp
 from jaxhybrid.layers import apply_layer
 from jaxhybrid.models.spec import init_layers
@@ -111,33 +112,6 @@ def plain_step(layers, loss_fn, per_layer, batch):
     params = [v.get("params", {}) for v in per_layer]
     state = [{c: t for c, t in v.items() if c != "params"} for v in per_layer]
     return jax.jit(jax.value_and_grad(loss)), (params, state, *batch)
-
-
-def cpu_seconds(fn, args, steps: int = 3) -> float:
-    """Process CPU-seconds (all threads) of one call, after warm-up; mean over `steps`."""
-    jax.block_until_ready(fn(*args))
-    t = time.process_time()
-    for _ in range(steps):
-        jax.block_until_ready(fn(*args))
-    return (time.process_time() - t) / steps
-
-
-def wall_seconds(fn, args, steps: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(steps):
-        jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - t) / steps
-
-
-def least(fns: dict, repeats: int, measure=cpu_seconds) -> dict:
-    """{name: minimum over `repeats` of measure(*fns[name])}, the functions interleaved
-    so that a slow spell of the machine hits all of them alike."""
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, (fn, args) in fns.items():
-            times[k].append(measure(fn, args))
-    return {k: min(v) for k, v in times.items()}
 
 
 def speed_rows(widths, blocks: int, mb: int, repeats: int, schedule: str = "1f1b",
@@ -274,7 +248,7 @@ def main(argv) -> None:
                plain=plain_step(layers, loss_fn, per_layer, batch))
     # Steps this short are cheap to repeat, and need it: one disturbed step is 5% of them.
     cpu = least(fns, 3 * FLAGS.repeats)
-    wall = least(fns, 3 * FLAGS.repeats, measure=wall_seconds)
+    wall = least(fns, 3 * FLAGS.repeats, clock=time.perf_counter)
     print(f"\n1x1 pipeline vs plain jax.jit ({FLAGS.model}): CPU-seconds {cpu['one'] * 1e3:.1f} "
           f"vs {cpu['plain'] * 1e3:.1f} ms, ratio {cpu['one'] / cpu['plain']:.3f}x; wall "
           f"{wall['one'] * 1e3:.1f} vs {wall['plain'] * 1e3:.1f} ms, ratio "
