@@ -77,8 +77,44 @@ def check_widths(widths: Sequence[int], num_layers: int, G: int, batch_size: int
         raise ValueError(f"burst: batch_size={batch_size} must be a multiple of the {G} devices "
                          f"of the data axis.")
     for l, g in enumerate(widths):
-        if g < 1 or g > G or g & (g - 1):
-            raise ValueError(f"burst: width {g} of layer {l} must be a power of two in 1..{G}.")
+        # A width that does not divide G (4 of 6 devices) broke the relayouts with a shape
+        # error; G itself (6) is plain data parallelism, power of two or not.
+        if g < 1 or g > G or G % g or (g & (g - 1) and g != G):
+            raise ValueError(f"burst: width {g} of layer {l} must be a power of two dividing "
+                             f"the {G} devices of the data axis, or {G}.")
+
+
+def check_rows(what: str, tree: PyTree, rows: int, fix: str) -> None:
+    """Every leaf of `tree` has `rows` as its leading dimension (traced shapes are
+    static: checked while the step is traced)."""
+    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = np.shape(a)
+        if not shape or shape[0] != rows:
+            raise ValueError(f"burst: {what}{jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(shape)}; its leading dimension must be {rows}: {fix}")
+
+
+def check_batch(program: "BurstProgram", inputs, targets) -> None:
+    """The global batch must have the program's batch_size rows (other row counts were
+    split over the devices anyway and failed deep inside a layer or the loss)."""
+    B = program.batch_size
+    fix = f"the program was built with batch_size={B} (BurstProgram(..., batch_size))."
+    check_rows("inputs", inputs, B, fix)
+    check_rows("targets", targets, B, fix)
+
+
+def check_stacked(what: str, tree: PyTree, G: int) -> None:
+    check_rows(what, tree, G, f"state is kept per device: pass burst.replicate(variables, "
+                              f"mesh) or burst.init_train_state(optimizer, variables, mesh).")
+
+
+def chunk_loss(program: "BurstProgram", y, t):
+    """loss_fn on one device's chunk, as a float32 scalar."""
+    loss = jnp.asarray(program.loss_fn(y, t), jnp.float32)
+    if loss.shape != ():
+        raise ValueError(f"burst: loss_fn returned shape {loss.shape}; it must return the "
+                         f"chunk's mean loss, a scalar (e.g. jnp.mean over the examples).")
+    return loss
 
 
 def _relayout(x: PyTree, g_from: int, g_to: int, batch: int) -> PyTree:
@@ -168,7 +204,7 @@ def forward_objective(program: BurstProgram, params, states, x, t, rng, idle=Non
         g_prev = g
     t = _relayout(t, G, g_prev, B)
     obj = jax.lax.cond(d < g_prev,
-                       lambda y, tt: jnp.asarray(program.loss_fn(y, tt), jnp.float32) / g_prev,
+                       lambda y, tt: chunk_loss(program, y, tt) / g_prev,
                        lambda y, tt: jnp.zeros((), jnp.float32), x, t)
     return obj, (new_states, carry)
 
@@ -257,7 +293,7 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
 
     def loss_run(y, tt):
         return jax.value_and_grad(
-            lambda yy: jnp.asarray(program.loss_fn(yy, tt), jnp.float32) / g_prev)(y)
+            lambda yy: chunk_loss(program, yy, tt) / g_prev)(y)
     obj, ct = jax.lax.cond(d < g_prev, loss_run,
                            lambda y, tt: (jnp.zeros((), jnp.float32), jnp.zeros_like(y)), x, t)
     grads = [None] * L
@@ -300,6 +336,8 @@ def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
         new_vars = [{"params": p, **s} for p, s in zip(params, new_states)]
         return loss, _stack(grads), _stack(new_vars)
 
+    check_batch(program, inputs, targets)
+    check_stacked("variables", variables, program.num_devices)
     return shard(program, body, (P(), P(DATA), P(DATA)))(variables, inputs, targets, rng)
 
 
@@ -327,6 +365,8 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
         params, opt_state = apply_update(optimizer, ts["params"], ts["opt_state"], grads)
         return loss, _stack({"params": params, "states": new_states, "opt_state": opt_state})
 
+    check_batch(program, inputs, targets)
+    check_stacked("train_state", train_state, program.num_devices)
     return shard(program, body, (P(), P(DATA)))(train_state, inputs, targets, rng)
 
 
