@@ -214,7 +214,10 @@ def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1"
     if num_devices < 1 or batch_size < 1:
         raise ValueError(f"plan_burst: num_devices={num_devices} and batch_size={batch_size} "
                          f"must be >= 1.")
-    if amplification_limit < 1:
+    if not fast_layer_time >= 0:
+        raise ValueError(f"plan_burst: fast_layer_time={fast_layer_time} must be >= 0 seconds "
+                         f"(0: no layer is exempt from the amplification limit).")
+    if not amplification_limit >= 1:      # also NaN (it allowed no width above 1)
         raise ValueError(f"plan_burst: amplification_limit={amplification_limit} must be >= 1 "
                          f"(1 allows no layer more than one device's time).")
     tab = tables or build_tables(costs, num_devices=num_devices, batch_size=batch_size,

@@ -100,11 +100,15 @@ def cost_fn(costs) -> Callable[[int], Sequence[LayerCost]]:
 
 
 def widths_for(num_devices: int, batch_size: int) -> list[int]:
-    """Candidate widths: powers of two <= num_devices that divide the batch."""
+    """Candidate widths: powers of two that divide both num_devices and the batch, and
+    num_devices itself when it is not a power of two but divides the batch (6 devices:
+    1, 2, 6): every width divides the device count, as the executor needs."""
     out, g = [], 1
-    while g <= num_devices and batch_size % g == 0:
+    while g <= num_devices and num_devices % g == 0 and batch_size % g == 0:
         out.append(g)
         g *= 2
+    if out[-1] != num_devices and batch_size % num_devices == 0:
+        out.append(num_devices)
     return out
 
 
@@ -207,6 +211,13 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     topo = topology or cluster_topology(hw, num_devices)
     if topo.n < num_devices:
         raise ValueError(f"burst: topology has {topo.n} devices, the plan needs {num_devices}.")
+    if batch_size % num_devices:
+        # The widest width would leave devices that never run a layer: they would count
+        # as idle (background throughput) while the DP baseline could not use them.
+        raise ValueError(f"burst: batch_size={batch_size} is not a multiple of num_devices="
+                         f"{num_devices}; every width must divide the batch, so some devices "
+                         f"would never run a layer: give a batch that is a multiple of "
+                         f"{num_devices}, or fewer devices.")
     widths = widths_for(num_devices, batch_size)
     fn = cost_fn(costs)
     base = None if callable(costs) else list(costs)
