@@ -117,11 +117,21 @@ def chunk_loss(program: "BurstProgram", y, t):
     return loss
 
 
-def _relayout(x: PyTree, g_from: int, g_to: int, batch: int) -> PyTree:
+def _relayout(x: PyTree, g_from: int, g_to: int, batch: int, what: str = "activation") -> PyTree:
     """Local chunk of the batch laid out over g_from devices -> over g_to devices.
     Top level only (it is a collective)."""
     if g_from == g_to:
         return x
+    rows = batch // g_from
+    for path, a in jax.tree_util.tree_flatten_with_path(x)[0]:
+        # A leaf without the batch axis (a per-layer constant in a dict) was concatenated
+        # or split as if it were rows: a broadcasting error in the next layer.
+        if not np.shape(a) or np.shape(a)[0] != rows:
+            raise ValueError(
+                f"burst: {what}{jax.tree_util.keystr(path)} has shape {tuple(np.shape(a))}; at "
+                f"a width change ({g_from} -> {g_to} devices) every leaf must have the batch "
+                f"as its leading dimension ({rows} rows per device): batch such values, or "
+                f"keep the two layers at the same width.")
     if g_from > g_to:          # narrowing: device j gathers the blocks of j*r .. j*r+r-1
         r = g_from // g_to
 
@@ -157,6 +167,12 @@ def _permute(a, pairs):
         keep = functools.reduce(jnp.logical_or, [d == s for s in stay])
         out = jnp.where(keep, a, out)
     return out
+
+
+def _entering(program: "BurstProgram", l: int) -> str:
+    if l == 0:
+        return "inputs"
+    return f"the output of layer {l - 1} ({type(program.layers[l - 1]).__name__})"
 
 
 def groups(g: int, G: int):
@@ -197,12 +213,12 @@ def forward_objective(program: BurstProgram, params, states, x, t, rng, idle=Non
     d = jax.lax.axis_index(DATA)
     g_prev, new_states = G, []
     for l, (layer, g) in enumerate(zip(program.layers, program.widths)):
-        x = _relayout(x, g_prev, g, B)
+        x = _relayout(x, g_prev, g, B, _entering(program, l))
         fn = functools.partial(idle, l) if idle is not None else None
         x, st, carry = layer_cond(layer, l, g, params[l], states[l], x, rng, fn, carry)
         new_states.append(st)
         g_prev = g
-    t = _relayout(t, G, g_prev, B)
+    t = _relayout(t, G, g_prev, B, "targets")
     obj = jax.lax.cond(d < g_prev,
                        lambda y, tt: chunk_loss(program, y, tt) / g_prev,
                        lambda y, tt: jnp.zeros((), jnp.float32), x, t)
@@ -268,7 +284,7 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
     treedefs: dict = {}
     residuals, new_states, g_prev = [], [], G
     for l, (layer, g) in enumerate(zip(layers, widths)):
-        x = _relayout(x, g_prev, g, B)
+        x = _relayout(x, g_prev, g, B, _entering(program, l))
         key = layer_rng(rng, d, l) if rng is not None else None
 
         def run(p, st, xx, c, _l=l, _layer=layer, _key=key):
@@ -289,7 +305,7 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
         residuals.append(res)
         new_states.append(st)
         g_prev = g
-    t = _relayout(t, G, g_prev, B)
+    t = _relayout(t, G, g_prev, B, "targets")
 
     def loss_run(y, tt):
         return jax.value_and_grad(
