@@ -156,6 +156,37 @@ def test_call_shape_errors_name_the_fix():
         burst.value_and_grad(per_example, stacked, x, y, key)
 
 
+class Aux(nn.Module):
+    """Returns a per-layer constant beside the batch (no batch axis)."""
+    @nn.compact
+    def __call__(self, x):
+        return {"h": nn.Dense(4)(x.reshape(x.shape[0], -1)), "scale": jnp.full((4,), 2.0)}
+
+
+class UseAux(nn.Module):
+    @nn.compact
+    def __call__(self, d):
+        return Head()(d["h"] * d["scale"])
+
+
+def test_unbatched_activation_leaf_at_a_width_change():
+    layers, mesh = [Aux(), UseAux()], make_mesh(data=8)
+    x, y, _ = _data(16)
+    v = init_layers(layers, jax.random.PRNGKey(0), x[:2])
+    stacked, key = burst.replicate(v, mesh), jax.random.key(0)
+    # Same width: every device keeps its own constant; equals the plain model.
+    prog = burst.BurstProgram(layers, xent, (8, 8), mesh, 16)
+    loss, _, _ = burst.value_and_grad(prog, stacked, x, y, key)
+    r_loss, _, _ = burst.reference_value_and_grad(layers, v, xent, x, y, (1, 1))
+    assert float(loss) == pytest.approx(float(r_loss), rel=1e-6)
+    # A width change would move it as rows: was a broadcasting error in layer 1.
+    for widths in ((8, 1), (2, 8)):
+        prog = burst.BurstProgram(layers, xent, widths, mesh, 16)
+        with pytest.raises(ValueError, match=r"output of layer 0 \(Aux\)\['scale'\] has shape "
+                                             r"\(4,\).*leading dimension"):
+            burst.value_and_grad(prog, stacked, x, y, key)
+
+
 def test_train_steps_keep_device_zero_equal_to_the_reference_update():
     """Two SGD steps with a narrowing plan: device 0's parameters equal the reference's
     gradients applied by hand, and layers' inactive copies stay as they were."""
@@ -351,3 +382,19 @@ def test_burst_script_odd_flags_fail_in_one_line(tmp_path, flags, message):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not os.listdir(tmp_path)      # failed before profiling anything
+
+
+def test_assign_slots_checks_its_times():
+    slots = multiplex.slot_widths([8, 2, 4, 1, 2])
+    for kw in (dict(idle_times=[1, 1]), dict(idle_times=[1] * 12), dict(task_times=[1, 2]),
+               dict(task_times=[float("nan")] * 8), dict(idle_times=[1, -1] + [1] * 8)):
+        with pytest.raises(ValueError, match="assign_slots: .* one per"):
+            multiplex.assign_slots(slots, 8, 8, **kw)
+
+
+def test_assign_slots_puts_no_task_where_there_is_no_idle_time():
+    # Task 0 went to the device's first idle slot even with zero idle time there.
+    slots = multiplex.slot_widths([8, 2, 4, 1, 2])
+    table = multiplex.assign_slots(slots, 8, 8, idle_times=[0, 0, 0, 5, 0, 0, 0, 0, 0, 0])
+    assert (table[0] == -1).all()
+    assert all(set(row) == {3} for row in table[1:])    # all the idle time is in slot 3

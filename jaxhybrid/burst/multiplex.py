@@ -73,16 +73,26 @@ def assign_slots(widths: Sequence[int], num_devices: int, num_tasks: int,
     execution order, e.g. `slot_widths`) in whose idle branch device d runs task t
     (non-decreasing in t), or -1 where device d has no idle slot. Tasks are placed by
     cumulative time: task t starts in the idle slot where the fraction (time of tasks
-    before t) / (all task time) falls in the cumulative idle time."""
+    before t) / (all task time) falls in the cumulative idle time; slots with zero idle
+    time get none (unless all of device d's have zero)."""
     widths = np.asarray(widths)
     idle_t = np.ones(len(widths)) if idle_times is None else np.asarray(idle_times, float)
     task_t = np.ones(num_tasks) if task_times is None else np.asarray(task_times, float)
+    # Wrong lengths were an IndexError / broadcast error, or (too many idle times)
+    # silently read against the wrong slots; NaN times put every task in the last slot.
+    for what, t, n, per in (("idle_times", idle_t, len(widths), "slot"),
+                            ("task_times", task_t, num_tasks, "task")):
+        if t.shape != (n,) or not np.all(t >= 0):
+            raise ValueError(f"assign_slots: {what} must be {n} seconds >= 0, one per {per}; "
+                             f"got {t.tolist()}.")
     start = np.concatenate([[0.0], np.cumsum(task_t)[:-1]]) / max(task_t.sum(), 1e-30)
     table = np.full((num_devices, num_tasks), -1, int)
     for d in range(num_devices):
         idle = np.flatnonzero(widths <= d)
         if idle.size == 0:
             continue
+        if (idle_t[idle] > 0).any():     # the first task went to a slot of zero idle time
+            idle = idle[idle_t[idle] > 0]
         cap = np.cumsum(np.maximum(idle_t[idle], 1e-30))
         cap = cap / cap[-1]
         k = np.minimum(np.searchsorted(cap, start, side="right"), idle.size - 1)
