@@ -398,3 +398,19 @@ def test_assign_slots_puts_no_task_where_there_is_no_idle_time():
     table = multiplex.assign_slots(slots, 8, 8, idle_times=[0, 0, 0, 5, 0, 0, 0, 0, 0, 0])
     assert (table[0] == -1).all()
     assert all(set(row) == {3} for row in table[1:])    # all the idle time is in slot 3
+
+
+def test_background_job_of_no_examples_is_refused():
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):   # ran silently
+        multiplex.BackgroundJob(BG_LAYERS, xent, optax.sgd(0.1), 0)
+
+
+@pytest.mark.parametrize("flag", ["--repeats=0", "--steps=0", "--bg_batch=0"])
+def test_burst_bench_bad_counts_fail_before_compiling(flag):
+    # --repeats=0 failed in min() after compiling four programs; --bg_batch=0 ran.
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "burst", flag],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"bench burst: {flag} must be >= 1." in r.stderr
+    assert "compiled" not in r.stdout

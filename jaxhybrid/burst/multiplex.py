@@ -52,6 +52,9 @@ class BackgroundJob:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ValueError("BackgroundJob: no layers.")
+        if int(self.batch_size) < 1:      # 0 ran a job of empty batches silently
+            raise ValueError(f"BackgroundJob: batch_size={self.batch_size} must be >= 1 "
+                             f"(examples per device instance).")
 
     @property
     def task_names(self) -> list[str]:
