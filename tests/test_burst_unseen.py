@@ -414,3 +414,19 @@ def test_burst_bench_bad_counts_fail_before_compiling(flag):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"bench burst: {flag} must be >= 1." in r.stderr
     assert "compiled" not in r.stdout
+
+
+def test_planner_argument_mismatches_are_refused():
+    tab = planner.build_tables(_handmade, num_devices=4, batch_size=64, hardware="v100_dgx1")
+    # Tables for 4 devices planned as 8: DP over 4, the other 4 counted idle.
+    with pytest.raises(ValueError, match="built for batch_size=64 on 4 devices"):
+        planner.plan_burst(None, num_devices=8, batch_size=64, tables=tab)
+    assert planner.plan_burst(None, num_devices=4, batch_size=64, tables=tab).dp_width == 4
+    # Branches of a layer the model does not have: were ignored.
+    with pytest.raises(ValueError, match=r"branches for layers \[7\]"):
+        planner.plan_burst(_handmade, num_devices=8, batch_size=64, hardware="v100_dgx1",
+                           branches={7: _handmade})
+    p = planner.plan_burst(_handmade, num_devices=8, batch_size=64, hardware="v100_dgx1")
+    for kw in (dict(bg_step_time=0.0), dict(efficiency=2.0), dict(bg_batch=-1)):
+        with pytest.raises(ValueError, match="throughput: bg_step_time"):
+            multiplexing.throughput(p, **{"bg_step_time": 0.01, "bg_batch": 8, **kw})

@@ -223,6 +223,11 @@ def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1"
     tab = tables or build_tables(costs, num_devices=num_devices, batch_size=batch_size,
                                  hardware=hardware, topology=topology, small_batch=small_batch,
                                  fast_layer_time=fast_layer_time, branches=branches)
+    if tables is not None and (tab.batch, tab.widths[-1]) != (batch_size, num_devices):
+        # Tables for 4 devices planned "8": the DP baseline over 4, the other 4 idle.
+        raise ValueError(f"plan_burst: the tables were built for batch_size={tab.batch} on "
+                         f"{tab.widths[-1]} devices, not batch_size={batch_size} on "
+                         f"{num_devices}; pass the same to build_tables.")
     L, K = tab.time.shape
     in_k = K - 1
     best = np.full((L, K), np.inf)

@@ -242,6 +242,10 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     tab.bw_min = np.array([np.inf] + [bw[:n, :n].min() if n > 1 else np.inf
                                       for n in range(1, num_devices + 1)])
     tab.lat_max = np.array([0.0] + [lat[:n, :n].max() for n in range(1, num_devices + 1)])
+    bad = [l for l in (branches or {}) if not 0 <= int(l) < len(full)]
+    if bad:          # were ignored: the plan had no branch mode, silently
+        raise ValueError(f"burst: branches for layers {bad}; the model has layers 0.."
+                         f"{len(full) - 1}.")
     for l, bcosts in (branches or {}).items():
         bfn = cost_fn(bcosts)
         bbase = None if callable(bcosts) else list(bcosts)
