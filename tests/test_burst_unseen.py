@@ -223,7 +223,14 @@ class BgJoin(nn.Module):
         return jnp.concatenate([d["h"], d["x"]], -1)
 
 
-BG_LAYERS = [BgIn(), BgJoin(), Drop(), Head()]
+class Tokens(nn.Module):
+    """int32 tokens in: the background's first input has no gradient."""
+    @nn.compact
+    def __call__(self, t):
+        return nn.Embed(11, 2)(t).reshape(t.shape[0], -1)
+
+
+BG_LAYERS = [Tokens(), BgIn(), BgJoin(), Drop(), Head()]
 
 
 def _mux(G, B, widths, b):
@@ -232,7 +239,7 @@ def _mux(G, B, widths, b):
     prog = burst.BurstProgram(LAYERS, xent, widths, mesh, B)
     opt, bg_opt = optax.adam(1e-2), optax.sgd(0.1, momentum=0.9)
     r = np.random.RandomState(1)
-    bx = r.randn(G, b, 6).astype(np.float32)
+    bx = r.randint(0, 11, (G, b, 3)).astype(np.int32)
     by = (np.arange(G * b) % 5).reshape(G, b).astype(np.int32)
     bv = init_layers(BG_LAYERS, jax.random.PRNGKey(2), bx[0])
     mux = multiplex.MuxProgram(prog, opt, multiplex.BackgroundJob(BG_LAYERS, xent, bg_opt, b))
@@ -285,15 +292,15 @@ def test_no_idle_slot_runs_no_background():
 def test_background_batch_shape_errors():
     mux, _, _, _, (x, y), (bx, by), _, fts, bts = _mux(8, 16, (8, 2, 1, 4, 8), 4)
     k = jax.random.PRNGKey(0)
-    flat_x, flat_y = bx.reshape(32, 6), by.reshape(32)
+    flat_x, flat_y = bx.reshape(32, 3), by.reshape(32)
     # [G * b, ...] instead of [G, b, ...]: was an IndexError inside the loss.
-    with pytest.raises(ValueError, match=r"bg_inputs has shape \(32, 6\).*\[8, 4, \.\.\.\]"):
+    with pytest.raises(ValueError, match=r"bg_inputs has shape \(32, 3\).*\[8, 4, \.\.\.\]"):
         multiplex.multiplexed_step(mux, fts, bts, x, y, flat_x, flat_y, k, k)
     with pytest.raises(ValueError, match=r"bg_targets has shape \(32,\)"):
         multiplex.background_step(mux, bts, bx, flat_y, k)
     # 5 examples per device for a job of batch_size 4: ran silently.
     with pytest.raises(ValueError, match=r"\(8, 5, 6\).*batch_size=4"):
-        multiplex.multiplexed_step(mux, fts, bts, x, y, np.zeros((8, 5, 6), np.float32),
+        multiplex.multiplexed_step(mux, fts, bts, x, y, np.zeros((8, 5, 6), np.int32),
                                    np.zeros((8, 5), np.int32), k, k)
 
 
