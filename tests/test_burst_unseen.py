@@ -412,7 +412,7 @@ def test_background_job_of_no_examples_is_refused():
         multiplex.BackgroundJob(BG_LAYERS, xent, optax.sgd(0.1), 0)
 
 
-@pytest.mark.parametrize("flag", ["--repeats=0", "--steps=0", "--bg_batch=0"])
+@pytest.mark.parametrize("flag", ["--repeats=0", "--bg_batch=0"])
 def test_burst_bench_bad_counts_fail_before_compiling(flag):
     # --repeats=0 failed in min() after compiling four programs; --bg_batch=0 ran.
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "burst", flag],
