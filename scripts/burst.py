@@ -94,12 +94,18 @@ def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: flo
 
 def check_flags() -> None:
     """Every flag checked before any model is profiled (the lists by their parsers)."""
-    from jaxhybrid.models import registered_models
+    from jaxhybrid.models import SIZES, registered_models
     from jaxhybrid.plan.hardware import get_hardware
     names = registered_models()
+    if not FLAGS.model:      # --model= ran nothing and printed only the header
+        raise ValueError(f"--model is empty; give one or more of {', '.join(names)}.")
     unknown = [m for m in FLAGS.model if m not in names]
     if unknown:
         raise ValueError(f"--model: unknown {unknown}; choose from {', '.join(names)}.")
+    if FLAGS.size not in SIZES:   # was a traceback from get_model, after the first model
+        raise ValueError(f"--size={FLAGS.size}: choose one of {', '.join(SIZES)}.")
+    if not FLAGS.hardware:
+        raise ValueError("--hardware is empty; give one or more plan.hardware presets.")
     for hw in FLAGS.hardware:
         get_hardware(hw)   # names the presets
     for flag in ("batch", "bg_batch"):
@@ -108,6 +114,25 @@ def check_flags() -> None:
     if not 0 < FLAGS.mux_efficiency <= 1:
         raise ValueError(f"--mux_efficiency={FLAGS.mux_efficiency:g} is a share of idle time: "
                          f"give a number in (0, 1].")
+    if not FLAGS.amplification_limit >= 1:     # NaN passed and kept every layer on 1 device
+        raise ValueError(f"--amplification_limit={FLAGS.amplification_limit:g} must be >= 1.")
+    if not FLAGS.fast_layer_time >= 0:
+        raise ValueError(f"--fast_layer_time={FLAGS.fast_layer_time:g} must be >= 0 seconds.")
+    # A batch that does not split over every device left devices that never run a layer;
+    # they counted as background time against a DP baseline over fewer devices.
+    bad = [g for g in FLAGS.devices if FLAGS.batch % g]
+    if bad:
+        raise ValueError(f"--batch={FLAGS.batch} is not a multiple of --devices {bad}: the "
+                         f"global batch must split over every device; drop those sizes or "
+                         f"give a batch that is a multiple of {max(bad)}.")
+    if FLAGS.plot:
+        if len(FLAGS.model) * len(FLAGS.hardware) > 1:   # each plot overwrote the last
+            raise ValueError(f"--plot draws one plan (the largest --devices): give one --model "
+                             f"and one --hardware, not {len(FLAGS.model)} x "
+                             f"{len(FLAGS.hardware)}.")
+        folder = os.path.dirname(os.path.abspath(FLAGS.plot))
+        if not os.path.isdir(folder):                    # was a traceback after the planning
+            raise ValueError(f"--plot={FLAGS.plot}: folder {folder} does not exist.")
 
 
 def main(argv):
@@ -121,7 +146,11 @@ def main(argv):
            "amplification_limit": FLAGS.amplification_limit,
            "mux_efficiency": FLAGS.mux_efficiency, "results": []}
     for name in FLAGS.model:
-        costs = model_costs(name, FLAGS.size, FLAGS.cache_dir)
+        try:
+            costs = model_costs(name, FLAGS.size, FLAGS.cache_dir)
+        except OSError as e:          # an unwritable --cache_dir
+            sys.exit(f"burst.py: cannot cache {name}'s costs under --cache_dir="
+                     f"{FLAGS.cache_dir}: {e}")
         branches = branch_costs(name, FLAGS.size) if FLAGS.branches else None
         for hw in FLAGS.hardware:
             try:

@@ -88,6 +88,9 @@ def setup(G: int):
 
 def main(argv):
     del argv
+    for flag in ("repeats", "steps", "batch", "bg_batch"):   # --repeats=0 failed in min()
+        if FLAGS[flag].value < 1:                            # after a minute of compiling
+            raise ValueError(f"--{flag}={FLAGS[flag].value} must be >= 1.")
     G = jax.device_count()
     mesh, fg, bg, (x, y), (bx, by), fv, bv = setup(G)
     L = len(fg.layers)

@@ -77,15 +77,61 @@ def check_widths(widths: Sequence[int], num_layers: int, G: int, batch_size: int
         raise ValueError(f"burst: batch_size={batch_size} must be a multiple of the {G} devices "
                          f"of the data axis.")
     for l, g in enumerate(widths):
-        if g < 1 or g > G or g & (g - 1):
-            raise ValueError(f"burst: width {g} of layer {l} must be a power of two in 1..{G}.")
+        # A width that does not divide G (4 of 6 devices) broke the relayouts with a shape
+        # error; G itself (6) is plain data parallelism, power of two or not.
+        if g < 1 or g > G or G % g or (g & (g - 1) and g != G):
+            raise ValueError(f"burst: width {g} of layer {l} must be a power of two dividing "
+                             f"the {G} devices of the data axis, or {G}.")
 
 
-def _relayout(x: PyTree, g_from: int, g_to: int, batch: int) -> PyTree:
+def check_rows(what: str, tree: PyTree, rows: int, fix: str) -> None:
+    """Every leaf of `tree` has `rows` as its leading dimension (traced shapes are
+    static: checked while the step is traced)."""
+    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = np.shape(a)
+        if not shape or shape[0] != rows:
+            raise ValueError(f"burst: {what}{jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(shape)}; its leading dimension must be {rows}: {fix}")
+
+
+def check_batch(program: "BurstProgram", inputs, targets) -> None:
+    """The global batch must have the program's batch_size rows (other row counts were
+    split over the devices anyway and failed deep inside a layer or the loss)."""
+    B = program.batch_size
+    fix = f"the program was built with batch_size={B} (BurstProgram(..., batch_size))."
+    check_rows("inputs", inputs, B, fix)
+    check_rows("targets", targets, B, fix)
+
+
+def check_stacked(what: str, tree: PyTree, G: int) -> None:
+    check_rows(what, tree, G, f"state is kept per device: pass burst.replicate(variables, "
+                              f"mesh) or burst.init_train_state(optimizer, variables, mesh).")
+
+
+def chunk_loss(program: "BurstProgram", y, t):
+    """loss_fn on one device's chunk, as a float32 scalar."""
+    loss = jnp.asarray(program.loss_fn(y, t), jnp.float32)
+    if loss.shape != ():
+        raise ValueError(f"burst: loss_fn returned shape {loss.shape}; it must return the "
+                         f"chunk's mean loss, a scalar (e.g. jnp.mean over the examples).")
+    return loss
+
+
+def _relayout(x: PyTree, g_from: int, g_to: int, batch: int, what: str = "activation") -> PyTree:
     """Local chunk of the batch laid out over g_from devices -> over g_to devices.
     Top level only (it is a collective)."""
     if g_from == g_to:
         return x
+    rows = batch // g_from
+    for path, a in jax.tree_util.tree_flatten_with_path(x)[0]:
+        # A leaf without the batch axis (a per-layer constant in a dict) was concatenated
+        # or split as if it were rows: a broadcasting error in the next layer.
+        if not np.shape(a) or np.shape(a)[0] != rows:
+            raise ValueError(
+                f"burst: {what}{jax.tree_util.keystr(path)} has shape {tuple(np.shape(a))}; at "
+                f"a width change ({g_from} -> {g_to} devices) every leaf must have the batch "
+                f"as its leading dimension ({rows} rows per device): batch such values, or "
+                f"keep the two layers at the same width.")
     if g_from > g_to:          # narrowing: device j gathers the blocks of j*r .. j*r+r-1
         r = g_from // g_to
 
@@ -121,6 +167,12 @@ def _permute(a, pairs):
         keep = functools.reduce(jnp.logical_or, [d == s for s in stay])
         out = jnp.where(keep, a, out)
     return out
+
+
+def _entering(program: "BurstProgram", l: int) -> str:
+    if l == 0:
+        return "inputs"
+    return f"the output of layer {l - 1} ({type(program.layers[l - 1]).__name__})"
 
 
 def groups(g: int, G: int):
@@ -161,14 +213,14 @@ def forward_objective(program: BurstProgram, params, states, x, t, rng, idle=Non
     d = jax.lax.axis_index(DATA)
     g_prev, new_states = G, []
     for l, (layer, g) in enumerate(zip(program.layers, program.widths)):
-        x = _relayout(x, g_prev, g, B)
+        x = _relayout(x, g_prev, g, B, _entering(program, l))
         fn = functools.partial(idle, l) if idle is not None else None
         x, st, carry = layer_cond(layer, l, g, params[l], states[l], x, rng, fn, carry)
         new_states.append(st)
         g_prev = g
-    t = _relayout(t, G, g_prev, B)
+    t = _relayout(t, G, g_prev, B, "targets")
     obj = jax.lax.cond(d < g_prev,
-                       lambda y, tt: jnp.asarray(program.loss_fn(y, tt), jnp.float32) / g_prev,
+                       lambda y, tt: chunk_loss(program, y, tt) / g_prev,
                        lambda y, tt: jnp.zeros((), jnp.float32), x, t)
     return obj, (new_states, carry)
 
@@ -232,7 +284,7 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
     treedefs: dict = {}
     residuals, new_states, g_prev = [], [], G
     for l, (layer, g) in enumerate(zip(layers, widths)):
-        x = _relayout(x, g_prev, g, B)
+        x = _relayout(x, g_prev, g, B, _entering(program, l))
         key = layer_rng(rng, d, l) if rng is not None else None
 
         def run(p, st, xx, c, _l=l, _layer=layer, _key=key):
@@ -253,11 +305,11 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
         residuals.append(res)
         new_states.append(st)
         g_prev = g
-    t = _relayout(t, G, g_prev, B)
+    t = _relayout(t, G, g_prev, B, "targets")
 
     def loss_run(y, tt):
         return jax.value_and_grad(
-            lambda yy: jnp.asarray(program.loss_fn(yy, tt), jnp.float32) / g_prev)(y)
+            lambda yy: chunk_loss(program, yy, tt) / g_prev)(y)
     obj, ct = jax.lax.cond(d < g_prev, loss_run,
                            lambda y, tt: (jnp.zeros((), jnp.float32), jnp.zeros_like(y)), x, t)
     grads = [None] * L
@@ -300,6 +352,8 @@ def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
         new_vars = [{"params": p, **s} for p, s in zip(params, new_states)]
         return loss, _stack(grads), _stack(new_vars)
 
+    check_batch(program, inputs, targets)
+    check_stacked("variables", variables, program.num_devices)
     return shard(program, body, (P(), P(DATA), P(DATA)))(variables, inputs, targets, rng)
 
 
@@ -327,6 +381,8 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
         params, opt_state = apply_update(optimizer, ts["params"], ts["opt_state"], grads)
         return loss, _stack({"params": params, "states": new_states, "opt_state": opt_state})
 
+    check_batch(program, inputs, targets)
+    check_stacked("train_state", train_state, program.num_devices)
     return shard(program, body, (P(), P(DATA)))(train_state, inputs, targets, rng)
 
 

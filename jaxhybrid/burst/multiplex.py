@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
+                                      check_batch, check_stacked,
                                       explicit_value_and_grad, shard)
 from jaxhybrid.layers import apply_layer, layer_rng
 from jaxhybrid.mesh import DATA
@@ -51,6 +52,9 @@ class BackgroundJob:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ValueError("BackgroundJob: no layers.")
+        if int(self.batch_size) < 1:      # 0 ran a job of empty batches silently
+            raise ValueError(f"BackgroundJob: batch_size={self.batch_size} must be >= 1 "
+                             f"(examples per device instance).")
 
     @property
     def task_names(self) -> list[str]:
@@ -72,16 +76,26 @@ def assign_slots(widths: Sequence[int], num_devices: int, num_tasks: int,
     execution order, e.g. `slot_widths`) in whose idle branch device d runs task t
     (non-decreasing in t), or -1 where device d has no idle slot. Tasks are placed by
     cumulative time: task t starts in the idle slot where the fraction (time of tasks
-    before t) / (all task time) falls in the cumulative idle time."""
+    before t) / (all task time) falls in the cumulative idle time; slots with zero idle
+    time get none (unless all of device d's have zero)."""
     widths = np.asarray(widths)
     idle_t = np.ones(len(widths)) if idle_times is None else np.asarray(idle_times, float)
     task_t = np.ones(num_tasks) if task_times is None else np.asarray(task_times, float)
+    # Wrong lengths were an IndexError / broadcast error, or (too many idle times)
+    # silently read against the wrong slots; NaN times put every task in the last slot.
+    for what, t, n, per in (("idle_times", idle_t, len(widths), "slot"),
+                            ("task_times", task_t, num_tasks, "task")):
+        if t.shape != (n,) or not np.all(t >= 0):
+            raise ValueError(f"assign_slots: {what} must be {n} seconds >= 0, one per {per}; "
+                             f"got {t.tolist()}.")
     start = np.concatenate([[0.0], np.cumsum(task_t)[:-1]]) / max(task_t.sum(), 1e-30)
     table = np.full((num_devices, num_tasks), -1, int)
     for d in range(num_devices):
         idle = np.flatnonzero(widths <= d)
         if idle.size == 0:
             continue
+        if (idle_t[idle] > 0).any():     # the first task went to a slot of zero idle time
+            idle = idle[idle_t[idle] > 0]
         cap = np.cumsum(np.maximum(idle_t[idle], 1e-30))
         cap = cap / cap[-1]
         k = np.minimum(np.searchsorted(cap, start, side="right"), idle.size - 1)
@@ -140,8 +154,7 @@ def _tasks(job: BackgroundJob, targets, key, treedefs: dict):
 
     def loss(c):
         c = dict(c)
-        value, ct = jax.value_and_grad(
-            lambda y: jnp.asarray(job.loss_fn(y, targets), jnp.float32))(c["acts"][J])
+        value, ct = jax.value_and_grad(lambda y: _scalar_loss(job, y, targets))(c["acts"][J])
         c["cts"] = _set(c["cts"], J, ct)
         c["loss"] = value
         return c
@@ -162,6 +175,14 @@ def _tasks(job: BackgroundJob, targets, key, treedefs: dict):
 
     return ([functools.partial(fwd, j) for j in range(J)] + [loss]
             + [functools.partial(bwd, j) for j in reversed(range(J))] + [update])
+
+
+def _scalar_loss(job: BackgroundJob, y, targets):
+    loss = jnp.asarray(job.loss_fn(y, targets), jnp.float32)
+    if loss.shape != ():
+        raise ValueError(f"BackgroundJob: loss_fn returned shape {loss.shape}; it must return "
+                         f"the batch's mean loss, a scalar.")
+    return loss
 
 
 def _set(seq, i, value):
@@ -198,6 +219,20 @@ def background_local_step(job: BackgroundJob, ts, x, targets, key):
     for task in _tasks(job, targets, key, treedefs):
         c = task(c)
     return c["loss"], {"params": c["params"], "states": c["states"], "opt_state": c["opt_state"]}
+
+
+def check_background(mux: MuxProgram, bg_state, bg_inputs, bg_targets) -> None:
+    """bg inputs/targets [G, job.batch_size, ...] (one row per device), state stacked.
+    A flat [G * b, ...] batch was split over the devices and lost its batch axis."""
+    G, b = mux.fg.num_devices, mux.bg.batch_size
+    fix = (f"the background batch is one row per device: shape [{G}, {b}, ...] "
+           f"(BackgroundJob batch_size={b}).")
+    for what, tree in (("bg_inputs", bg_inputs), ("bg_targets", bg_targets)):
+        for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if tuple(np.shape(a)[:2]) != (G, b):
+                raise ValueError(f"MuxProgram: {what}{jax.tree_util.keystr(path)} has shape "
+                                 f"{tuple(np.shape(a))}: {fix}")
+    check_stacked("bg_state", bg_state, G)
 
 
 def _bg_key(rng):
@@ -239,6 +274,9 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
                   "opt_state": carry["opt_state"]}
         return loss, _stack(new_fg), carry["loss"][None], _stack(new_bg)
 
+    check_batch(prog, fg_inputs, fg_targets)
+    check_stacked("fg_state", fg_state, prog.num_devices)
+    check_background(mux, bg_state, bg_inputs, bg_targets)
     return shard(prog, body, (P(), P(DATA), P(DATA), P(DATA)), n_stacked=2, n_batches=4, n_keys=2)(
         fg_state, bg_state, fg_inputs, fg_targets, bg_inputs, bg_targets, fg_rng, bg_rng)
 
@@ -258,5 +296,6 @@ def background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
             lambda s: (jnp.zeros((), jnp.float32), s), bts)
         return loss[None], _stack(new)
 
+    check_background(mux, bg_state, bg_inputs, bg_targets)
     return shard(mux.fg, body, (P(DATA), P(DATA)), n_stacked=1, n_batches=2)(
         bg_state, bg_inputs, bg_targets, bg_rng)

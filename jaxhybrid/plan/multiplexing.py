@@ -60,6 +60,11 @@ def throughput(plan: BurstPlan, *, bg_step_time: float, bg_batch: int,
     cannot fill the backward; `jaxhybrid.burst.multiplex` fills both); fg_slowdown:
     foreground iteration time
     multiplier under multiplexing."""
+    if not (bg_step_time > 0 and bg_batch >= 0 and 0 < efficiency <= 1 and fg_slowdown > 0):
+        # bg_step_time 0 was a ZeroDivisionError, efficiency 2 a background at twice its speed
+        raise ValueError(f"throughput: bg_step_time={bg_step_time} must be > 0 s, bg_batch="
+                         f"{bg_batch} >= 0, efficiency={efficiency} in (0, 1], fg_slowdown="
+                         f"{fg_slowdown} > 0.")
     T = plan.iteration_time * fg_slowdown
     idle = plan.idle_time(forward_only)
     bg = float(idle.sum()) * efficiency / T * bg_batch / bg_step_time
