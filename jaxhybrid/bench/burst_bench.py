@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from absl import flags
 
+from jaxhybrid.bench.timing import least
 from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import burst, models
 from jaxhybrid.burst import multiplex
@@ -47,23 +48,6 @@ define_int_list("widths", [], "burst widths (one per layer); default: the first 
 flags.DEFINE_integer("repeats", 5, "interleaved timing repeats (minimum taken)")
 flags.DEFINE_integer("steps", 2, "steps per timing")
 flags.DEFINE_bool("validate", True, "profile per-layer times and compare predicted device-time")
-
-
-def _timed(fn, args, steps, clock):
-    jax.block_until_ready(fn(*args))
-    t = clock()
-    for _ in range(steps):
-        jax.block_until_ready(fn(*args))
-    return (clock() - t) / steps
-
-
-def least(fns: dict, repeats: int, steps: int, clock=time.process_time) -> dict:
-    """{name: min over repeats of seconds per call}, the callables interleaved."""
-    out = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, (fn, args) in fns.items():
-            out[k].append(_timed(fn, args, steps, clock))
-    return {k: min(v) for k, v in out.items()}
 
 
 def default_widths(num_layers: int, G: int) -> list[int]:
