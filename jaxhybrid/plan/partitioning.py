@@ -84,8 +84,10 @@ def device_grid(num_stages: int, data: int, topology: Topology | None,
         raise ValueError(f"device_order must list {k} distinct devices (data={data} x "
                          f"stages={num_stages}), got {list(order)}.")
     if topology is not None and (order.min() < 0 or order.max() >= topology.n):
-        raise ValueError(f"device_order uses devices outside the topology's {topology.n}; "
-                         f"pass a topology with >= {k} devices.")
+        outside = sorted(d for d in set(order.tolist()) if not 0 <= d < topology.n)
+        raise ValueError(f"device_order uses devices {outside}, outside the topology's "
+                         f"{topology.n} (indices 0..{topology.n - 1}); pick devices of the "
+                         f"topology or pass a bigger one.")
     return order.reshape(data, num_stages)
 
 

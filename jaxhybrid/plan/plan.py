@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
-from jaxhybrid.plan.partitioning import map_devices, partition, stage_costs
+from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
 from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
@@ -207,7 +207,14 @@ def _objective_value(sc, objective: str, M: int) -> float:
 
 
 def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
-    cuts = [int(b) for b in boundaries]
+    try:   # 2.5 is no layer index (int() would quietly make it 2)
+        cuts = [int(b) for b in boundaries]
+        whole = all(float(b) == c for b, c in zip(boundaries, cuts))
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
+        raise ValueError(f"make_plan: boundaries={list(boundaries)} must be whole layer "
+                         f"indices (the first layer of stages 1..{S - 1}).")
     if len(cuts) != S - 1 or any(not 0 < b < L for b in cuts) or cuts != sorted(set(cuts)):
         raise ValueError(f"make_plan: boundaries={list(boundaries)} must be {S - 1} increasing "
                          f"layer indices in 1..{L - 1}.")
@@ -236,6 +243,13 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     costs = list(costs)
     if not costs or not all(isinstance(c, LayerCost) for c in costs):
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
+    # Checked here, before any work: data=0 or -1 gave a plan "x data 0" (no topology),
+    # virtual_stages=0 was read as 1, and a device_order was kept unchecked without a
+    # topology.
+    for name, value in (("data", data), ("virtual_stages", virtual_stages),
+                        ("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"make_plan: {name}={value!r} must be an int >= 1.")
     if microbatch_size is not None and microbatch_size != costs[0].batch_size:
         costs = [c.scaled(microbatch_size) for c in costs]
     M, L = int(num_microbatches), len(costs)
@@ -261,6 +275,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if topology is not None:
         link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in costs], data=data,
                     param_bytes=[c.param_bytes for c in costs] if data > 1 else None)
+    if device_order is not None:
+        device_grid(S, int(data), topology, device_order)   # S x data distinct devices
     cuts, order, sc = _cuts_and_order(costs, t, S, M, data, objective, topology, device_order,
                                       boundaries, max_mapping_rounds, link)
 
@@ -377,8 +393,6 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     if batch % (data * M):
         raise ValueError(f"plan_from_config: train.batch_size={batch} is not divisible by data={data} "
                          f"x num_microbatches={M}; pick a batch size that is.")
-    inputs, _ = spec.sample_batch(batch // (data * M))
-    costs = profile(spec.layers, inputs, measure=measure)
     remat = get("pipeline", "remat", "auto")
     budget = memory_budget
     if budget is None and remat == "auto":
@@ -386,6 +400,23 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     cuts = get("pipeline", "boundaries")
     schedule = get("pipeline", "schedule", "1f1b")
     v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
+    # What can be wrong without the costs is checked before profiling (minutes for a big
+    # model): the budget, the topology, the schedule, and stages against layers.
+    budget = None if budget is None else parse_bytes(budget)
+    if isinstance(topology, str):
+        topology = Topology.from_spec(topology)
+    sched = make_schedule(schedule, S, M, **({"virtual_stages": v} if v > 1 else {}))
+    if sched.num_stages > len(spec.layers):
+        raise ValueError(f"plan_from_config: {sched.num_stages} stages but the model has only "
+                         f"{len(spec.layers)} layers; use fewer stages (--stages).")
+    if topology is not None and sched.virtual_stages > 1:
+        raise ValueError("plan_from_config: a topology with virtual stages is not modelled "
+                         "yet; drop --topology or use a schedule without virtual stages.")
+    if topology is not None and topology.n < S * data:
+        raise ValueError(f"plan_from_config: {S} stages x data={data} need {S * data} devices "
+                         f"but the topology has {topology.n}; pass a bigger topology.")
+    inputs, _ = spec.sample_batch(batch // (data * M))
+    costs = profile(spec.layers, inputs, measure=measure)
     if isinstance(hardware, str):
         from jaxhybrid.plan.calibration import stored_hardware
         hardware = stored_hardware()
