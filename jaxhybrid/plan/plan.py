@@ -273,11 +273,13 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     t = np.array([c.fwd_time + c.bwd_time for c in times])
     link = {}
     if topology is not None:
-        link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in costs], data=data,
-                    param_bytes=[c.param_bytes for c in costs] if data > 1 else None)
+        # One device's share: with model > 1 a device all-reduces its part of the
+        # parameters over its replicas, not the whole layer's (`local_cost`).
+        link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in times], data=data,
+                    param_bytes=[c.param_bytes for c in times] if data > 1 else None)
     if device_order is not None:
         device_grid(S, int(data), topology, device_order)   # S x data distinct devices
-    cuts, order, sc = _cuts_and_order(costs, t, S, M, data, objective, topology, device_order,
+    cuts, order, sc = _cuts_and_order(times, t, S, M, data, objective, topology, device_order,
                                       boundaries, max_mapping_rounds, link)
 
     remat = [False] * L
