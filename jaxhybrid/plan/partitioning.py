@@ -349,7 +349,9 @@ def map_devices(boundary_bytes_at_cuts, topology: Topology, data: int = 1, *,
     cuts = np.asarray(boundary_bytes_at_cuts, float).reshape(-1)
     S, data = cuts.size + 1, int(data)
     k, n = S * data, topology.n
-    if data < 1 or k > n:
+    if data < 1:
+        raise ValueError(f"map_devices: data={data} must be >= 1.")
+    if k > n:
         raise ValueError(f"map_devices: {S} stages x data={data} need {k} devices, the topology "
                          f"has {n}; use a bigger topology or fewer stages/replicas.")
     st = np.zeros(S) if stage_times is None else np.asarray(stage_times, float).reshape(S)

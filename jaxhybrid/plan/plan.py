@@ -164,6 +164,12 @@ class Plan:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"Plan.from_json: unknown fields {sorted(unknown)}.")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d
+                         and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:   # was a TypeError from __init__
+            raise ValueError(f"Plan.from_json: missing fields {missing}; is this a plan's "
+                             f"to_json()?")
         return cls(**d)
 
     def plot(self, path: str) -> None:
@@ -250,6 +256,10 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                         ("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"make_plan: {name}={value!r} must be an int >= 1.")
+    if not param_state_factor >= 2:   # below 2 the optimizer state came out negative
+        raise ValueError(f"make_plan: param_state_factor={param_state_factor!r} would give "
+                         f"(factor - 2) x params of optimizer state, less than none; use >= 2 "
+                         f"(2: no optimizer state, 4: Adam's two moments).")
     if microbatch_size is not None and microbatch_size != costs[0].batch_size:
         costs = [c.scaled(microbatch_size) for c in costs]
     M, L = int(num_microbatches), len(costs)

@@ -187,6 +187,8 @@ class Topology:
                     k, v = (t.strip() for t in item.split("=", 1))
                     if k not in ("intra", "inter", "intra_lat", "inter_lat"):
                         raise ValueError(f"unknown key {k!r} (intra, inter, intra_lat, inter_lat)")
+                    if k in kv:   # the last one silently won
+                        raise ValueError(f"{k}= given twice")
                     kv[k] = v
                 if "intra" not in kv or "inter" not in kv:
                     raise ValueError("both intra= and inter= bandwidths are required")
@@ -194,7 +196,8 @@ class Topology:
                                  kv.get("intra_lat", DEFAULT_INTRA_LATENCY),
                                  kv.get("inter_lat", DEFAULT_INTER_LATENCY))
         except ValueError as e:
-            raise ValueError(f"bad topology spec {spec!r}: {e}. Grammar: {SPEC_GRAMMAR}.") from None
+            raise ValueError(f"bad topology spec {spec!r}: {str(e).rstrip('.')}. Grammar: "
+                             f"{SPEC_GRAMMAR}.") from None
         raise ValueError(f"bad topology spec {spec!r}. Grammar: {SPEC_GRAMMAR}.")
 
     # --- costs ----------------------------------------------------------------------
