@@ -255,6 +255,14 @@ def _spmd_stage_pick(opts, delta, fwd, saved_sum, cap, work_cap):
     return np.array(chosen, int), float(fwd[chosen].sum()), *mem(chosen)
 
 
+def _greedy_caps(delta, fwd, saved_sum) -> np.ndarray:
+    """The kept sizes a stage too big to enumerate reaches along the greedy ratio order
+    (most bytes saved per second first): every prefix, not only none and all (with only
+    those two a stage over the row recomputed every layer, however little was missing)."""
+    order = np.argsort(-(delta / np.maximum(fwd, 1e-30)), kind="stable")
+    return saved_sum - np.concatenate([[0.0], np.cumsum(delta[order])])
+
+
 def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                       memory_budget: float | str, *, param_state_factor: float = 4,
                       exact_limit: int = 16, max_caps: int = 256, model: int = 1,
@@ -304,7 +312,7 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
                        _spmd_options(delta[cand], fwd, kept, exact_limit),
                        _backward_work(costs, a, b)))
     caps = np.unique(np.concatenate(
-        [o[6][1] if o[6] is not None else [o[4], o[4] - o[2].sum()] for o in stages]))
+        [o[6][1] if o[6] is not None else _greedy_caps(o[2], o[3], o[4]) for o in stages]))
     caps = caps[caps <= (budget - fixed) / rows * (1 + 1e-12)]
     if caps.size > max_caps:
         caps = np.unique(caps[np.linspace(0, caps.size - 1, max_caps).round().astype(int)])
