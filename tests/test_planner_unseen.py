@@ -334,6 +334,10 @@ def test_make_plan_accepts_numpy_ints_and_more_stages_than_layers_is_named():
     assert len(p.boundaries) == 1
     with pytest.raises(ValueError, match="7 stages but only 6 layers"):
         make_plan(costs, num_stages=7, num_microbatches=4)
+    # Virtual stages: named in the caller's terms (partition said "8 stages", for 4).
+    with pytest.raises(ValueError, match=r"4 devices x 2 stages each \(zbv\) = 8 stages but "
+                                         r"only 6 layers; use fewer virtual stages"):
+        make_plan(costs, num_stages=4, num_microbatches=4, schedule="zbv")
 
 
 def test_plan_from_config_checks_before_profiling(monkeypatch):

@@ -269,6 +269,11 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                           **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {}))
     S, v = sched.num_stages, sched.virtual_stages
     schedule = sched.name
+    if S > L:   # named in the user's terms (partition would say "16 stages" for 4 x 4)
+        how = f"{S // v} devices x {v} stages each ({schedule}) = " if v > 1 else ""
+        raise ValueError(f"make_plan: {how}{S} stages but only {L} layers; use "
+                         + ("fewer virtual stages, " if v > 1 else "")
+                         + "fewer pipeline stages or split the model into more layers.")
     if v > 1 and topology is not None:
         raise ValueError("make_plan: a topology with virtual stages is not modelled yet; "
                          "drop topology= or use a schedule without virtual stages.")
