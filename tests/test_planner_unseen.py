@@ -442,3 +442,31 @@ def test_many_layers_per_stage_recompute_only_what_is_missing():
         need = min(k for k in range(21) if mem(k) <= budget)
         r = choose_remat_spmd(costs, [], sched, budget)
         assert sum(r) == need and mem(sum(r)) <= budget
+
+
+def test_heuristic_mapping_finds_the_optimum_on_node_topologies():
+    """Beyond `exhaustive_limit` orders the mapping climbs by pairwise swaps; from in
+    order alone it stopped there on 3 nodes x 3 devices with a slow (1 ms) link between
+    nodes, up to 2.7x slower than the best order (6 of 40 instances)."""
+    rng = np.random.default_rng(3)
+    S, data = 3, 2
+    for trial in range(40):
+        topo = (Topology.nodes(3, 3, "100GB/s", "1GB/s") if trial % 2 else
+                Topology.nodes(3, 3, "100GB/s", "10GB/s", inter_latency="1ms"))
+        cuts = 10 ** rng.uniform(3, 9, S - 1)
+        kw = dict(stage_times=rng.uniform(0, 1e-2, S), stage_param_bytes=10 ** rng.uniform(3, 9, S),
+                  num_microbatches=4)
+        grid = lambda o: np.array(o).reshape(data, S)  # noqa: E731
+
+        def slowest(o):
+            g = grid(o)
+            t = np.array(kw["stage_times"], float)
+            for s in range(S - 1):
+                t[s] += 2 * max(topo.transfer_time(g[r, s], g[r, s + 1], cuts[s]) for r in range(data))
+            return max(t + [topo.allreduce_time(g[:, s], b) / 4
+                            for s, b in enumerate(kw["stage_param_bytes"])])
+
+        climbed = map_devices(cuts, topo, data, **kw)            # 60,480 orders > 50,000
+        exact = map_devices(cuts, topo, data, exhaustive_limit=10 ** 6, **kw)
+        assert len(set(climbed)) == S * data
+        assert slowest(climbed) <= slowest(exact) * (1 + 1e-9)
