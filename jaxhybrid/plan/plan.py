@@ -327,34 +327,49 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 transfer_per_tick=per_tick, **engine)
 
 
+RANDOM_STARTS = 4   # random device orders the split/mapping alternation also starts from
+
+
 def _cuts_and_order(costs, t, S: int, M: int, data: int, objective: str, topology,
                     device_order, boundaries, max_rounds: int, link: dict):
     """(cuts, device order, stage costs): `boundaries` kept, or a partition of the layer
     times `t`; on a non-uniform topology with no given order, partition and device
-    mapping alternate until the mapping stops changing (the best objective kept)."""
+    mapping alternate until the mapping stops changing, from in order and from
+    stage-major (the best objective kept)."""
     L = len(costs)
     remap = (topology is not None and device_order is None and not topology.is_uniform()
              and boundaries is None)
-    order = None if device_order is None else list(device_order)
+    starts = [None if device_order is None else list(device_order)]
     if remap:
-        order = list(range(S * data))
+        # From in order (replica-major) and, with replicas, from stage-major (a stage's
+        # replicas on neighbouring devices): from in order alone the alternation stopped
+        # at a replica crossing nodes, 1.3-1.9x slower than the best (cuts, order) on
+        # 2 nodes x 3 devices, data=2.
+        starts = [list(range(S * data))]
+        if data > 1 and S > 1:
+            starts.append([s * data + r for r in range(data) for s in range(S)])
+        rng = np.random.default_rng(0)   # and a few seeded random orders, when cheap
+        starts += [rng.permutation(topology.n)[:S * data].tolist()
+                   for _ in range(RANDOM_STARTS if L * S <= 20_000 else 0)]
     best = None
-    for _ in range(max(1, max_rounds)):
-        cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M, **link)
-                if boundaries is None else _fixed_cuts(boundaries, S, L))
-        sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
-        value = _objective_value(sc, objective, M)
-        if best is None or value < best[0] * (1 - 1e-9):
-            best = (value, cuts, order, sc)
-        if not remap or S * data == 1:
-            break
-        new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
-                          stage_times=sc.compute,
-                          stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
-                          num_microbatches=M)
-        if new == order:
-            break
-        order = new
+    for order in starts:
+        for _ in range(max(1, max_rounds)):
+            cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M,
+                              **link)
+                    if boundaries is None else _fixed_cuts(boundaries, S, L))
+            sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
+            value = _objective_value(sc, objective, M)
+            if best is None or value < best[0] * (1 - 1e-9):
+                best = (value, cuts, order, sc)
+            if not remap or S * data == 1:
+                break
+            new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
+                              stage_times=sc.compute,
+                              stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
+                              num_microbatches=M)
+            if new == order:
+                break
+            order = new
     return best[1:]
 
 
