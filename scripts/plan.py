@@ -81,6 +81,11 @@ def main(argv):
         sys.exit(f"error: unexpected arguments {argv[1:]}; flags are --name=value.")
     from jaxhybrid.plan import plan_from_config
     try:
+        for flag, path in (("--plot", FLAGS.plot), ("--json", FLAGS.json)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not os.path.isdir(folder):   # found out after planning, before
+                raise ValueError(f"{flag}={path}: no folder {folder}; create it or pick "
+                                 f"another path.")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,

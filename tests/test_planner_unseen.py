@@ -378,8 +378,9 @@ def test_plan_from_config_checks_before_profiling(monkeypatch):
 
 # --- the command line ----------------------------------------------------------------------
 def _script(*args):
+    plot = [] if any(a.startswith("--plot") for a in args) else ["--plot="]
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args,
-                           "--plot="], capture_output=True, text=True, timeout=300,
+                           *plot], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT})
 
 
@@ -495,3 +496,13 @@ def test_split_and_mapping_near_the_joint_optimum():
         ratios.append(p.bottleneck_time / best)
     ratios = np.array(ratios)
     assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1.15 and (ratios <= 1 + 1e-9).mean() >= 0.9
+
+
+def test_script_checks_output_paths_before_planning(tmp_path):
+    # A --json or --plot into a folder that does not exist raised a traceback after the
+    # whole plan had been made.
+    for flag in ("--json", "--plot"):
+        line = _one_error_line(_script("--model=gpt", "--size=tiny", "--stages=2", "--data=1",
+                                       "--microbatches=2", "--batch_size=8",
+                                       f"{flag}={tmp_path}/no/such/dir/p.x"))
+        assert f"{flag}=" in line and "no folder" in line
