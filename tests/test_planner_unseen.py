@@ -506,3 +506,17 @@ def test_script_checks_output_paths_before_planning(tmp_path):
                                        "--microbatches=2", "--batch_size=8",
                                        f"{flag}={tmp_path}/no/such/dir/p.x"))
         assert f"{flag}=" in line and "no folder" in line
+
+
+def test_damaged_calibration_file_is_named(tmp_path):
+    from jaxhybrid.plan import calibration
+    from jaxhybrid.plan.hardware import measured_device
+    p = calibration.save(measured_device(), tmp_path, key="k")
+    assert calibration.load(tmp_path, key="k")[0].compute_slots == measured_device().compute_slots
+    doc = json.loads(p.read_text())
+    doc["terms"]["compute_slots"] = 0                 # hand-edited: raised from Hardware
+    p.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"stored calibration .*k\.json is invalid .*compute_slots"):
+        calibration.load(tmp_path, key="k")
+    p.write_text("[1, 2]")                           # not a document: none stored
+    assert calibration.load(tmp_path, key="k") is None
