@@ -424,6 +424,11 @@ def test_more_bad_inputs_name_the_fix():
     del d["boundaries"]
     with pytest.raises(ValueError, match=r"missing fields \['boundaries'\]"):
         Plan.from_json(json.dumps(d))
+    d = json.loads(make_plan(costs, num_stages=2, num_microbatches=2, data=2,
+                             topology="2x2:intra=10GB/s,inter=1GB/s").to_json())
+    d["device_order"][1] = d["device_order"][0]        # was accepted, for the mesh to fail
+    with pytest.raises(ValueError, match="must list 4 distinct devices"):
+        Plan.from_json(json.dumps(d))
     with pytest.raises(ValueError, match="intra= given twice"):
         Topology.from_spec("2x4:intra=300GB/s,inter=12GB/s,intra=1GB/s")
     with pytest.raises(ValueError, match=r"got 0, 4\. Grammar"):

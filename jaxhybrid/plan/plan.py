@@ -72,6 +72,12 @@ class Plan:
         for f in ("stage_compute_time", "stage_transfer_time", "stage_allreduce_time", "stage_memory"):
             if len(getattr(self, f)) != S:
                 raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
+        stage_ranges(self.boundaries, self.num_layers)   # increasing, inside the layers
+        if self.device_order is not None:   # e.g. a hand-edited JSON plan
+            k = self.num_stages // max(self.virtual_stages, 1) * self.data
+            if len(self.device_order) != k or len(set(self.device_order)) != k:
+                raise ValueError(f"Plan: device_order {self.device_order} must list {k} distinct "
+                                 f"devices (data x pipeline devices).")
         if self.stage_fwd_time is None:   # no split given: assume backward = 2 x forward
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
