@@ -429,6 +429,12 @@ def test_more_bad_inputs_name_the_fix():
     d["device_order"][1] = d["device_order"][0]        # was accepted, for the mesh to fail
     with pytest.raises(ValueError, match="must list 4 distinct devices"):
         Plan.from_json(json.dumps(d))
+    # Virtual stages: the order lists the pipeline's devices (not its 2 x 2 stages).
+    costs8 = [cost(i) for i in range(8)]
+    assert make_plan(costs8, num_stages=2, num_microbatches=4, schedule="zbv",
+                     device_order=[1, 0]).device_order == [1, 0]
+    with pytest.raises(ValueError, match=r"2 distinct devices \(data=1 x stages=2\), got \[1, 0, 2, 3\]"):
+        make_plan(costs8, num_stages=2, num_microbatches=4, schedule="zbv", device_order=[1, 0, 2, 3])
     with pytest.raises(ValueError, match="intra= given twice"):
         Topology.from_spec("2x4:intra=300GB/s,inter=12GB/s,intra=1GB/s")
     with pytest.raises(ValueError, match=r"got 0, 4\. Grammar"):

@@ -82,7 +82,7 @@ def device_grid(num_stages: int, data: int, topology: Topology | None,
     order = np.arange(k) if device_order is None else np.asarray(device_order, int).reshape(-1)
     if order.size != k or len(set(order.tolist())) != k:
         raise ValueError(f"device_order must list {k} distinct devices (data={data} x "
-                         f"stages={num_stages}), got {list(order)}.")
+                         f"stages={num_stages}), got {order.tolist()}.")
     if topology is not None and (order.min() < 0 or order.max() >= topology.n):
         outside = sorted(d for d in set(order.tolist()) if not 0 <= d < topology.n)
         raise ValueError(f"device_order uses devices {outside}, outside the topology's "

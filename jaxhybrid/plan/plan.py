@@ -299,7 +299,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in times], data=data,
                     param_bytes=[c.param_bytes for c in times] if data > 1 else None)
     if device_order is not None:
-        device_grid(S, int(data), topology, device_order)   # S x data distinct devices
+        device_grid(S // v, int(data), topology, device_order)   # distinct devices
     cuts, order, sc = _cuts_and_order(times, t, S, M, data, objective, topology, device_order,
                                       boundaries, max_mapping_rounds, link)
 
