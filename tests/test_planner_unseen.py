@@ -431,8 +431,10 @@ def test_more_bad_inputs_name_the_fix():
         Plan.from_json(json.dumps(d))
     # Virtual stages: the order lists the pipeline's devices (not its 2 x 2 stages).
     costs8 = [cost(i) for i in range(8)]
-    assert make_plan(costs8, num_stages=2, num_microbatches=4, schedule="zbv",
-                     device_order=[1, 0]).device_order == [1, 0]
+    v = make_plan(costs8, num_stages=2, num_microbatches=4, schedule="zbv", device_order=[1, 0])
+    assert v.device_order == [1, 0]
+    # summary() indexed the order by stage (IndexError); zbv's V: stages 0, 3 on device 0
+    assert [r[-1] for r in _summary_rows(v)] == ["1", "0", "0", "1"]
     with pytest.raises(ValueError, match=r"2 distinct devices \(data=1 x stages=2\), got \[1, 0, 2, 3\]"):
         make_plan(costs8, num_stages=2, num_microbatches=4, schedule="zbv", device_order=[1, 0, 2, 3])
     with pytest.raises(ValueError, match="intra= given twice"):

@@ -142,10 +142,14 @@ class Plan:
         head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
         lines += [head, "-" * len(head)]
+        # device_order lists the pipeline's devices (row-major over replica, device); a
+        # stage's device is the schedule's (virtual stages: several stages per device).
+        D = S // max(self.virtual_stages, 1)
+        where = self.schedule_table().stage_device if self.device_order is not None else None
         for s, (a, b) in enumerate(self.stage_ranges):
             names = self.layer_names[a] if b - a == 1 else f"{self.layer_names[a]} .. {self.layer_names[b - 1]}"
             devs = ("-" if self.device_order is None else
-                    ",".join(str(self.device_order[r * S + s]) for r in range(self.data)))
+                    ",".join(str(self.device_order[r * D + int(where[s])]) for r in range(self.data)))
             lines.append(
                 f"{s:>5} {f'{a}-{b - 1}':>9} {names[:28]:<28} {1e3 * self.stage_fwd_time[s]:>8.3f} "
                 f"{1e3 * self.stage_bwd_time[s]:>8.3f} {1e3 * self.stage_transfer_time[s]:>8.3f} "
