@@ -222,6 +222,16 @@ def _objective_value(sc, objective: str, M: int) -> float:
     return float(t.max()) if objective == "bottleneck" else float(t.sum() + (M - 1) * t.max())
 
 
+def _budget(value, what: str) -> float:
+    """The budget in bytes; a bad one named ("size must be > 0, got 0.0" said not which)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} is no size; write e.g. '16GB' or a number of bytes.")
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{what}={value!r}: {e}") from None
+
+
 def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
     try:   # 2.5 is no layer index (int() would quietly make it 2)
         cuts = [int(b) for b in boundaries]
@@ -292,7 +302,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if topology is not None and topology.n < S * data:
         raise ValueError(f"make_plan: {S} stages x data={data} need {S * data} devices but the "
                          f"topology has {topology.n}; pass a bigger topology.")
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    budget = None if memory_budget is None else _budget(memory_budget, "make_plan: memory_budget")
     shard = dict(model=model, zero_shards=zero_shards)
     times = [local_cost(c, model) for c in costs]     # one device's share of each layer
     t = np.array([c.fwd_time + c.bwd_time for c in times])
@@ -444,7 +454,7 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
     # What can be wrong without the costs is checked before profiling (minutes for a big
     # model): the budget, the topology, the schedule, and stages against layers.
-    budget = None if budget is None else parse_bytes(budget)
+    budget = None if budget is None else _budget(budget, "plan_from_config: memory_budget")
     if isinstance(topology, str):
         topology = Topology.from_spec(topology)
     sched = make_schedule(schedule, S, M, **({"virtual_stages": v} if v > 1 else {}))
