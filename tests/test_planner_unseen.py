@@ -374,6 +374,8 @@ def test_plan_from_config_checks_before_profiling(monkeypatch):
             plan_from_config(config(), **kw)
     with pytest.raises(ValueError, match="50 stages but the model has only 4 layers"):
         plan_from_config(config(mesh__pipe=50))
+    with pytest.raises(ValueError, match=r"pipeline.boundaries=\[2\] gives 2 stages, the plan has 3"):
+        plan_from_config(config(mesh__pipe=3, pipeline__boundaries=[2]))
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
         plan_from_config(config(pipeline__schedule="nope"))
     with pytest.raises(ValueError, match="topology with virtual stages"):

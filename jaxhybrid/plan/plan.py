@@ -458,6 +458,10 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     if isinstance(topology, str):
         topology = Topology.from_spec(topology)
     sched = make_schedule(schedule, S, M, **({"virtual_stages": v} if v > 1 else {}))
+    if cuts is not None and len(cuts) != sched.num_stages - 1:   # e.g. --stages changed
+        raise ValueError(f"plan_from_config: pipeline.boundaries={list(cuts)} gives "
+                         f"{len(cuts) + 1} stages, the plan has {sched.num_stages}; fix or "
+                         f"drop pipeline.boundaries (None: the planner's split).")
     if sched.num_stages > len(spec.layers):
         raise ValueError(f"plan_from_config: {sched.num_stages} stages but the model has only "
                          f"{len(spec.layers)} layers; use fewer stages (--stages).")
