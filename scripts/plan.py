@@ -30,7 +30,8 @@ flags.DEFINE_integer("stages", None, "pipeline stages (default: config mesh.pipe
 flags.DEFINE_integer("data", None, "data-parallel replicas (default: config mesh.data).")
 flags.DEFINE_integer("microbatches", None, "microbatches per step.")
 flags.DEFINE_integer("batch_size", None, "global batch size.")
-flags.DEFINE_string("schedule", None, "gpipe | 1f1b.")
+flags.DEFINE_string("schedule", None, "a registered schedule: gpipe, 1f1b, interleaved, zb-h1, zbv, "
+                    "async, pipedream, 2bw, spectrain, ... (an unknown name lists them).")
 flags.DEFINE_string("topology", None, 'e.g. "2x4:intra=300GB/s,inter=12GB/s".')
 flags.DEFINE_string("memory_budget", None, 'bytes per device, e.g. "16GB".')
 flags.DEFINE_enum("objective", None, ["bottleneck", "alpa"], "stage objective.")
@@ -54,7 +55,7 @@ def build_config():
         if value is not None:
             config[section][key] = value
     if not config.model.get("name"):
-        raise app.UsageError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
+        raise ValueError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
     # -1 (as in make_mesh): the devices left over, on the topology if given, else this host.
     # None: not set (one); 0 stays 0, so that plan_from_config names it.
     data, pipe = (1 if v is None else v for v in (config.mesh.get("data"), config.mesh.get("pipe")))
@@ -63,7 +64,7 @@ def build_config():
             raise ValueError(f"mesh.{name}={v} must be >= 1, or -1 for the devices left over.")
     if -1 in (data, pipe):
         if data == pipe:
-            raise app.UsageError("mesh.data and mesh.pipe are both -1; set --stages or --data.")
+            raise ValueError("mesh.data and mesh.pipe are both -1; set --stages or --data.")
         if FLAGS.topology:
             from jaxhybrid.plan import Topology
             n = Topology.from_spec(FLAGS.topology).n
@@ -76,10 +77,15 @@ def build_config():
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if len(argv) > 1:   # one line, as every other error (not absl's page of flags)
+        sys.exit(f"error: unexpected arguments {argv[1:]}; flags are --name=value.")
     from jaxhybrid.plan import plan_from_config
     try:
+        for flag, path in (("--plot", FLAGS.plot), ("--json", FLAGS.json)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not os.path.isdir(folder):   # found out after planning, before
+                raise ValueError(f"{flag}={path}: no folder {folder}; create it or pick "
+                                 f"another path.")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,

@@ -52,7 +52,8 @@ flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step 
 
 CONFIGS = {"inception_v3": "inception_hybrid.py", "gnmt": "gnmt_hybrid.py",
            "biglstm": "biglstm_hybrid.py", "gpt": "gpt_hybrid.py"}
-TERMS = ("params", "opt_state", "grads", "state", "stash", "working", "inboxes", "inputs")
+TERMS = ("params", "opt_state", "grads", "state", "stash", "working", "inboxes", "inputs",
+         "versions")
 
 
 def model_config(name: str, size: str, pipe: int):

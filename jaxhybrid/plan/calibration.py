@@ -67,10 +67,15 @@ def load(cache_dir: str | os.PathLike, key: str | None = None) -> tuple[Hardware
         doc = json.loads(path(cache_dir, key).read_text())
     except (OSError, ValueError):
         return None
-    if doc.get("format") != FORMAT or set(doc.get("terms", {})) != set(FIELDS):
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT
+            or not isinstance(doc.get("terms"), dict) or set(doc["terms"]) != set(FIELDS)):
         return None
-    return measured_device(f"calibrated:{doc['device']}", description=doc.get("description", ""),
-                           **doc["terms"]), doc
+    try:
+        return measured_device(f"calibrated:{doc.get('device', '?')}",
+                               description=doc.get("description", ""), **doc["terms"]), doc
+    except (TypeError, ValueError) as e:   # a hand-edited or damaged file: say which
+        raise ValueError(f"the stored calibration {path(cache_dir, key)} is invalid ({e}); "
+                         f"delete it or calibrate again.") from None
 
 
 def stored_hardware(cache_dir: str | os.PathLike | None = None):

@@ -34,6 +34,9 @@ the per-call overhead a layer inside a stage does not pay) when `measure=True`; 
 with the peak numbers of `device_peak()` (a table by device kind; override with
 `peak_flops=` / `memory_bandwidth=`). The estimate ignores launch overheads and fusion
 quality; it ranks layers, it does not predict wall time to better than ~2x.
+
+The record itself (`LayerCost`, `cost_arrays`, `layer_times`, the roofline and the device
+peaks) lives in `plan.layer_cost`, re-exported here.
 """
 from __future__ import annotations
 
@@ -49,105 +52,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxhybrid.plan.layer_cost import (COST_FIELDS, LayerCost, cost_arrays, device_peak,  # noqa: F401
+                                      layer_times, roofline_time)
 from jaxhybrid.plan.layer_timing import layer_time
 
 PyTree = Any
-
-# (peak FLOP/s, memory bytes/s) by substring of `device.device_kind` (dense bf16 tensor
-# core peaks from vendor datasheets; CPU: a few cores' worth of AVX2 fp32 and DRAM).
-_PEAKS = (("H200", 989e12, 4.8e12), ("H100", 989e12, 3.35e12), ("A100", 312e12, 2.0e12),
-          ("V100", 125e12, 0.9e12), ("L4", 121e12, 0.3e12), ("TPU v4", 275e12, 1.2e12),
-          ("TPU v5", 197e12, 0.8e12))
-_CPU_PEAK = (100e9, 20e9)
-_GPU_FALLBACK = (100e12, 1.0e12)
-
-
-def device_peak(device=None) -> tuple[float, float]:
-    """(peak FLOP/s, memory bandwidth bytes/s) assumed for `device` (default: the first
-    local device) by the roofline estimate."""
-    import jax
-    device = device or jax.devices()[0]
-    kind = getattr(device, "device_kind", "")
-    for key, flops, bw in _PEAKS:
-        if key.lower() in kind.lower():
-            return flops, bw
-    return _CPU_PEAK if device.platform == "cpu" else _GPU_FALLBACK
-
-
-def roofline_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: float) -> float:
-    return max(flops / peak_flops, nbytes / memory_bandwidth)
-
-
-@dataclasses.dataclass
-class LayerCost:
-    """Costs of one layer on one microbatch of `batch_size` examples. Bytes are bytes,
-    times seconds; `measured` says whether times were timed or roofline estimates."""
-    name: str
-    batch_size: int
-    fwd_flops: float
-    bwd_flops: float
-    fwd_bytes: float
-    bwd_bytes: float
-    param_bytes: int
-    param_count: int
-    in_bytes: int
-    out_bytes: int
-    saved_bytes: int
-    saved_bytes_remat: int
-    fwd_time: float
-    bwd_time: float
-    measured: bool = False
-    state_bytes: int = 0   # non-param variables (e.g. batch_stats): kept, no grads/moments
-    # Tensor parallelism over "model" (`jaxhybrid.plan.model_axis`): of the above, what a
-    # model degree T divides by T, and the bytes all-reduced over the model group.
-    model_param_bytes: int = 0        # params whose logical names the rules put on "model"
-    model_saved_bytes: int = 0        # residuals split over "model"
-    model_flops_fraction: float = 0.0   # of the matmul FLOPs, the part split over "model"
-    model_fwd_comm_bytes: int = 0     # all-reduced over "model" in the forward, per device
-    model_bwd_comm_bytes: int = 0     # ... and in the backward
-    model_fwd_collectives: int = 0    # how many collectives over "model" forward
-    model_bwd_collectives: int = 0    # ... and backward
-    bwd_temp_bytes: int = 0    # the compiled backward's temporaries (0: unknown)
-    saved_by_dtype: dict = dataclasses.field(default_factory=dict)   # {} : unknown
-
-    def scaled(self, batch_size: int) -> "LayerCost":
-        """Costs at another microbatch size: everything per-example scales linearly,
-        parameter sizes stay."""
-        if batch_size < 1:
-            raise ValueError(f"LayerCost.scaled: batch_size={batch_size} must be >= 1.")
-        r = batch_size / self.batch_size
-        lin = {f: getattr(self, f) * r for f in ("fwd_flops", "bwd_flops", "fwd_bytes",
-                                                  "bwd_bytes", "fwd_time", "bwd_time")}
-        ints = {f: int(round(getattr(self, f) * r)) for f in (
-            "in_bytes", "out_bytes", "saved_bytes", "saved_bytes_remat", "model_saved_bytes",
-            "model_fwd_comm_bytes", "model_bwd_comm_bytes", "bwd_temp_bytes")}
-        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints,
-                                   saved_by_dtype={k: int(round(v * r))
-                                                   for k, v in self.saved_by_dtype.items()})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LayerCost":
-        return cls(**d)
-
-
-COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
-                    if f.name not in ("name", "saved_by_dtype"))
-
-
-def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:
-    """{field: numpy array over layers} for every numeric LayerCost field, plus
-    "time" = fwd_time + bwd_time."""
-    out = {f: np.array([getattr(c, f) for c in costs], dtype=float) for f in COST_FIELDS}
-    out["time"] = out["fwd_time"] + out["bwd_time"]
-    return out
-
-
-def layer_times(costs: Sequence[LayerCost]) -> np.ndarray:
-    """fwd + bwd time per layer (the partition's input)."""
-    return np.array([c.fwd_time + c.bwd_time for c in costs], dtype=float)
 
 
 def _nbytes(tree) -> int:

@@ -82,10 +82,12 @@ def device_grid(num_stages: int, data: int, topology: Topology | None,
     order = np.arange(k) if device_order is None else np.asarray(device_order, int).reshape(-1)
     if order.size != k or len(set(order.tolist())) != k:
         raise ValueError(f"device_order must list {k} distinct devices (data={data} x "
-                         f"stages={num_stages}), got {list(order)}.")
+                         f"stages={num_stages}), got {order.tolist()}.")
     if topology is not None and (order.min() < 0 or order.max() >= topology.n):
-        raise ValueError(f"device_order uses devices outside the topology's {topology.n}; "
-                         f"pass a topology with >= {k} devices.")
+        outside = sorted(d for d in set(order.tolist()) if not 0 <= d < topology.n)
+        raise ValueError(f"device_order uses devices {outside}, outside the topology's "
+                         f"{topology.n} (indices 0..{topology.n - 1}); pick devices of the "
+                         f"topology or pass a bigger one.")
     return order.reshape(data, num_stages)
 
 
@@ -331,7 +333,7 @@ def stage_costs(layer_times, boundaries: Sequence[int], *, boundary_bytes=None,
 # --- device mapping --------------------------------------------------------------------
 def map_devices(boundary_bytes_at_cuts, topology: Topology, data: int = 1, *,
                 stage_times=None, stage_param_bytes=None, num_microbatches: int | None = None,
-                exhaustive_limit: int = 50_000) -> list[int]:
+                exhaustive_limit: int = 50_000, restarts: int = 8) -> list[int]:
     """Which topology device runs each (replica, stage): a list of S * data device
     indices, row-major over (replica, stage) like `device_order` above and the `devices`
     argument of `jaxhybrid.make_mesh`.
@@ -341,13 +343,17 @@ def map_devices(boundary_bytes_at_cuts, topology: Topology, data: int = 1, *,
     stage's replicas / M); ties go to the smallest total transfer time, then to the
     order closest to in-order. Exact (all ordered selections of S*data devices) when there
     are at most `exhaustive_limit` of them; otherwise hill-climbing over pairwise swaps
-    (including swaps with unused devices) from the in-order mapping, which finds the
-    optimum on node-structured topologies in practice but is not guaranteed to.
+    (including swaps with unused devices) from the in-order mapping and from `restarts`
+    seeded random ones, the best kept: not guaranteed optimal (3 nodes x 3 devices,
+    3 stages x 2 replicas, random costs: the optimum on 40 of 40 node topologies, on
+    16 of 20 random link matrices, the rest within 18%).
     """
     cuts = np.asarray(boundary_bytes_at_cuts, float).reshape(-1)
     S, data = cuts.size + 1, int(data)
     k, n = S * data, topology.n
-    if data < 1 or k > n:
+    if data < 1:
+        raise ValueError(f"map_devices: data={data} must be >= 1.")
+    if k > n:
         raise ValueError(f"map_devices: {S} stages x data={data} need {k} devices, the topology "
                          f"has {n}; use a bigger topology or fewer stages/replicas.")
     st = np.zeros(S) if stage_times is None else np.asarray(stage_times, float).reshape(S)
@@ -379,18 +385,31 @@ def map_devices(boundary_bytes_at_cuts, topology: Topology, data: int = 1, *,
         orders = np.array(list(itertools.permutations(range(n), k)), int)
         return orders[pick(orders)].tolist()
 
-    order = np.arange(n)   # first k entries are used; the rest are spare devices
     key = lambda o: tuple(x[0] for x in evaluate(o[None, :k]))  # noqa: E731
-    cur = key(order)
-    pairs = [(i, j) for i in range(k) for j in range(i + 1, n)]
-    while True:
-        cand = np.repeat(order[None, :], len(pairs), 0)
-        ii, jj = np.array(pairs).T
-        cand[np.arange(len(pairs)), ii], cand[np.arange(len(pairs)), jj] = order[jj], order[ii]
-        j = pick(np.concatenate([order[None, :k], cand[:, :k]]))
-        if j == 0:
-            return order[:k].tolist()
-        new = key(cand[j - 1])
-        if not (new[0] < cur[0] * (1 - _REL) or (new[0] <= cur[0] * (1 + _REL) and new[1] < cur[1] * (1 - _REL))):
-            return order[:k].tolist()
-        order, cur = cand[j - 1], new
+    better = lambda a, b: (a[0] < b[0] * (1 - _REL)  # noqa: E731
+                           or (a[0] <= b[0] * (1 + _REL) and a[1] < b[1] * (1 - _REL)))
+    pairs = np.array([(i, j) for i in range(k) for j in range(i + 1, n)])
+    ii, jj = pairs.T
+    rows = np.arange(len(pairs))
+
+    def climb(order):
+        """Pairwise swaps (first k entries used, the rest spare) while one helps."""
+        cur = key(order)
+        while True:
+            cand = np.repeat(order[None, :], len(pairs), 0)
+            cand[rows, ii], cand[rows, jj] = order[jj], order[ii]
+            j = pick(np.concatenate([order[None, :k], cand[:, :k]]))
+            if j == 0 or not better(key(cand[j - 1]), cur):
+                return order, cur
+            order, cur = cand[j - 1], key(cand[j - 1])
+
+    # From in order, then from `restarts` seeded random orders: from in order alone the
+    # climb stopped at in order on 3 nodes x 3 devices with a 1 ms link between them,
+    # 2.7x slower than the best order. Ties keep the earliest start (in order first).
+    rng = np.random.default_rng(0)
+    best = None
+    for start in [np.arange(n)] + [rng.permutation(n) for _ in range(restarts)]:
+        found = climb(start)
+        if best is None or better(found[1], best[1]):
+            best = found
+    return best[0][:k].tolist()

@@ -26,6 +26,10 @@ each term by name; `scripts/bench.py memory` compares their sum with the compile
                                    (and their dummy rows), and the last activation and
                                    gradient the device sent (`Carry.act_out` / `grad_out`)
     inputs       num_microbatches * in_bytes[0]   this replica's inputs (on every device)
+    versions     weight_copies(schedule) * params  asynchronous schedules: the weight
+                                   version ring (pipedream, spectrain: one per stash slot;
+                                   2bw: two), a predicting optimizer's last update and
+                                   the copies the compiled step holds for in-stream updates
 
 with kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
 saved_bytes, plus, on the last stage, the loss's residuals (the model output's bytes:
@@ -84,7 +88,25 @@ def _fixed_terms(costs, ranges, schedule, param_state_factor) -> dict:
     return dict(params=params, opt_state=(param_state_factor - 2) * params, grads=2 * params,
                 state=float(max(sum(c.state_bytes for c in costs[a:b]) for a, b in ranges)),
                 inboxes=float((rings["act"] + 1 + rings["grad"] + 1 + 2) * act),
-                inputs=float(schedule.num_microbatches * costs[0].in_bytes))
+                inputs=float(schedule.num_microbatches * costs[0].in_bytes),
+                versions=weight_copies(schedule) * params)
+
+
+def weight_copies(schedule) -> int:
+    """Copies of a device's packed parameters an asynchronous schedule holds beside them
+    (`pipeline.async_weights`): the version ring (one slot per stash slot for "stash" /
+    "predict-v2", two for "two-buffer") and a predicting optimizer's last update, plus
+    what the compiled step was seen to hold: one copy for the weights its U tasks update
+    inside the stream, one more with a version ring, and for "predict-v1" the weights
+    its backward predicts (GPT tiny, M=4, over 1F1B: pipe 4, AdamW and SGD: async +1,
+    2bw +4, pipedream +6, spectrain +7 parameter buffers; pipe 2: spectrain-v1 +3).
+    0 for synchronous schedules."""
+    policy = getattr(schedule, "weights", "sync")
+    if policy == "sync":
+        return 0
+    ring = (schedule.ring_slots()[1]["stash"] if policy in ("stash", "predict-v2")
+            else 2 if policy == "two-buffer" else 0)
+    return 1 + ring + (ring > 0) + policy.startswith("predict") + (policy == "predict-v1")
 
 
 def _backward_work(costs, a, b) -> float:
@@ -202,18 +224,23 @@ def _spmd_options(delta, fwd, saved_sum, exact_limit):
     masks = ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)
     kept = saved_sum - (masks * delta).sum(1)
     trans = np.where(masks, delta, 0).max(1, initial=0)
-    return masks, kept, trans, (masks * fwd).sum(1)
+    extra = (masks * fwd).sum(1)
+    # Cheapest first (least extra time, then transient, then fewest layers): the pick
+    # for a cap is the first subset that fits, with no sort per cap (1,000 layers in 64
+    # stages took ~50 s under a budget, sorting 2^16 subsets per stage and cap).
+    order = np.lexsort((masks.sum(1), trans, extra))
+    return masks[order], kept[order], trans[order], extra[order]
 
 
 def _spmd_stage_pick(opts, delta, fwd, saved_sum, cap, work_cap):
     """Least extra forward time with kept <= cap and transient <= work_cap.
     Returns (indices into delta, extra time, kept, transient) or None if impossible."""
     if opts is not None:
-        masks, kept, trans, extra = opts
+        masks, kept, trans, extra = opts   # cheapest first (`_spmd_options`)
         ok = (kept <= cap) & (trans <= work_cap)
         if not ok.any():
             return None
-        best = np.lexsort((masks.sum(1), trans, np.where(ok, extra, np.inf)))[0]
+        best = int(ok.argmax())
         return np.nonzero(masks[best])[0], extra[best], kept[best], trans[best]
     # Greedy (Pipe-Torch's ratio rule), then drop what is not needed.
     def mem(ch):
@@ -231,6 +258,14 @@ def _spmd_stage_pick(opts, delta, fwd, saved_sum, cap, work_cap):
         if fits(rest):
             chosen = rest
     return np.array(chosen, int), float(fwd[chosen].sum()), *mem(chosen)
+
+
+def _greedy_caps(delta, fwd, saved_sum) -> np.ndarray:
+    """The kept sizes a stage too big to enumerate reaches along the greedy ratio order
+    (most bytes saved per second first): every prefix, not only none and all (with only
+    those two a stage over the row recomputed every layer, however little was missing)."""
+    order = np.argsort(-(delta / np.maximum(fwd, 1e-30)), kind="stable")
+    return saved_sum - np.concatenate([[0.0], np.cumsum(delta[order])])
 
 
 def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
@@ -282,7 +317,7 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
                        _spmd_options(delta[cand], fwd, kept, exact_limit),
                        _backward_work(costs, a, b)))
     caps = np.unique(np.concatenate(
-        [o[6][1] if o[6] is not None else [o[4], o[4] - o[2].sum()] for o in stages]))
+        [o[6][1] if o[6] is not None else _greedy_caps(o[2], o[3], o[4]) for o in stages]))
     caps = caps[caps <= (budget - fixed) / rows * (1 + 1e-12)]
     if caps.size > max_caps:
         caps = np.unique(caps[np.linspace(0, caps.size - 1, max_caps).round().astype(int)])
@@ -296,6 +331,7 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         key = (max(times), sum(p[1] for p in picks), rows * max(p[2] for p in picks)
                + max(p[3] + o[7] for o, p in zip(stages, picks)))
         options.append((key, picks))
+    options += _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps)
     for _, picks in sorted(options, key=lambda o: o[0]):
         remat = [False] * L
         for o, p in zip(stages, picks):
@@ -304,3 +340,59 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         if device(remat)[1] <= budget * (1 + 1e-12):
             return remat
     return full   # max_caps thinned out the caps that work, or dtype padding broke them
+
+
+def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> list:
+    """With residuals of several dtypes the stash row is per dtype the largest stage's,
+    summed, so one cap on each stage's total misses choices (a stage may keep more of
+    one dtype where another keeps less): search a cap per dtype, over the values the
+    stages' subsets reach (exact up to `max_caps` cap vectors, thinned beyond). Only
+    when every stage's subsets are enumerated (`exact_limit`); [] otherwise."""
+    if any(o[6] is None for o in stages):
+        return []
+    per_stage = []   # [options, dtypes] kept bytes of every subset of every stage
+    for (a, b), o in zip(ranges, stages):
+        masks = o[6][0]
+        plain = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
+        per_stage.append((plain, masks))
+    dtypes = sorted({d for plain, _ in per_stage for d in plain} | {"float32"})
+    if len(dtypes) < 2:
+        return []
+    kept = []
+    for (a, b), o, (plain, masks) in zip(ranges, stages, per_stage):
+        base = np.array([plain.get(d, 0.0) for d in dtypes])
+        change = np.zeros((len(o[1]), len(dtypes)))   # remat of a candidate: its parts go,
+        for j, i in enumerate(o[1]):                   # its input comes (as float32)
+            r = np.zeros(len(costs), bool)
+            r[a + i] = True
+            one = _kept_by_dtype(costs, a + i, a + i + 1, r)
+            keep = _kept_by_dtype(costs, a + i, a + i + 1, np.zeros(len(costs), bool))
+            change[j] = [one.get(d, 0.0) - keep.get(d, 0.0) for d in dtypes]
+        kept.append(base[None, :] + masks.astype(float) @ change)
+    values = [np.unique(np.concatenate([k[:, j] for k in kept])) for j in range(len(dtypes))]
+    per = int(2 ** (16 / len(dtypes)))   # at most ~65536 vectors before the budget's cut
+    values = [v if v.size <= per else v[np.unique(np.linspace(0, v.size - 1, per).round()
+                                                  .astype(int))] for v in values]
+    grid = np.stack(np.meshgrid(*values, indexing="ij"), -1).reshape(-1, len(dtypes))
+    grid = grid[fixed + rows * grid.sum(1) <= budget * (1 + 1e-12)]
+    if len(grid) > 4 * max_caps:
+        grid = grid[np.unique(np.linspace(0, len(grid) - 1, 4 * max_caps).round().astype(int))]
+    out = []
+    for caps in grid:
+        work_cap = budget - fixed - rows * caps.sum()
+        picks = []
+        for o, k in zip(stages, kept):
+            masks, _, trans, extra = o[6]
+            ok = (k <= caps * (1 + 1e-12) + 1e-9).all(1) & (trans <= work_cap - o[7])
+            if not ok.any():
+                break
+            j = int(ok.argmax())   # the options are cheapest first
+            picks.append((np.nonzero(masks[j])[0], extra[j], k[j], trans[j]))
+        if len(picks) < len(stages):
+            continue
+        times = [o[5] + p[1] for o, p in zip(stages, picks)]
+        row = float(np.max([p[2] for p in picks], 0).sum())
+        key = (max(times), sum(p[1] for p in picks),
+               rows * row + max(p[3] + o[7] for o, p in zip(stages, picks)))
+        out.append((key, picks))
+    return out

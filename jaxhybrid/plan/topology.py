@@ -66,6 +66,13 @@ def parse_bytes(text: str | float) -> float:
     m = re.fullmatch(_NUM + r"([A-Za-z]*)\s*", str(text))
     if m and (m.group(2) == "" or m.group(2).lower() in _SIZE_UNITS):
         return _positive(float(m.group(1)) * _SIZE_UNITS.get(m.group(2).lower(), 1), "size")
+    if m and m.group(2).lower() in ("k", "m", "g", "t"):   # '8G': which 8G is not said
+        n, u = m.group(1), m.group(2).upper()
+        dec, binary = (float(n) * _SIZE_UNITS[f"{u.lower()}{s}"] for s in ("b", "ib"))
+        raise ValueError(f"cannot read size {text!r}; write '{n}{u}B' ({dec:g} bytes) or "
+                         f"'{n}{u}iB' ({binary:g} bytes).")
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"size {text!r} must be > 0; write e.g. '2GB' or '512MiB'.")
     raise ValueError(f"cannot read size {text!r}; write e.g. '2GB', '512MiB' or a number of bytes.")
 
 
@@ -180,6 +187,8 @@ class Topology:
                     k, v = (t.strip() for t in item.split("=", 1))
                     if k not in ("intra", "inter", "intra_lat", "inter_lat"):
                         raise ValueError(f"unknown key {k!r} (intra, inter, intra_lat, inter_lat)")
+                    if k in kv:   # the last one silently won
+                        raise ValueError(f"{k}= given twice")
                     kv[k] = v
                 if "intra" not in kv or "inter" not in kv:
                     raise ValueError("both intra= and inter= bandwidths are required")
@@ -187,7 +196,8 @@ class Topology:
                                  kv.get("intra_lat", DEFAULT_INTRA_LATENCY),
                                  kv.get("inter_lat", DEFAULT_INTER_LATENCY))
         except ValueError as e:
-            raise ValueError(f"bad topology spec {spec!r}: {e}. Grammar: {SPEC_GRAMMAR}.") from None
+            raise ValueError(f"bad topology spec {spec!r}: {str(e).rstrip('.')}. Grammar: "
+                             f"{SPEC_GRAMMAR}.") from None
         raise ValueError(f"bad topology spec {spec!r}. Grammar: {SPEC_GRAMMAR}.")
 
     # --- costs ----------------------------------------------------------------------
