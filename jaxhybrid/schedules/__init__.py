@@ -49,11 +49,15 @@ each backward window; the `weights` field says which weights a task sees):
 before tick S-1, which already bounds zb-h1; so it is not offered.)
 Each is a device-order policy placed on ticks by one greedy placer (`place_tasks`).
 """
-from jaxhybrid.schedules.builders import (SCHEDULE_NAMES, SCHEDULES, forward_schedule,
-                                          make_schedule, one_f_one_b_warmup, register_schedule)
+from jaxhybrid.schedules.builders import (SCHEDULES, forward_schedule, make_schedule,
+                                          one_f_one_b_warmup, register_schedule)
 from jaxhybrid.schedules import asynchronous   # registers async, pipedream, 2bw, spectrain
 from jaxhybrid.schedules.placer import ScheduleDeadlock, place_tasks
 from jaxhybrid.schedules.tasks import IDLE, Schedule, Task, TaskType
+
+# Every built-in schedule, synchronous and asynchronous (taken once all have registered;
+# `SCHEDULES` also holds those a user registers later).
+SCHEDULE_NAMES = tuple(SCHEDULES)
 
 __all__ = ["IDLE", "SCHEDULES", "SCHEDULE_NAMES", "Schedule", "ScheduleDeadlock", "Task",
            "TaskType", "asynchronous", "forward_schedule", "make_schedule", "one_f_one_b_warmup", "place_tasks",

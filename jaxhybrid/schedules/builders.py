@@ -118,8 +118,6 @@ def zbv(num_stages: int, num_microbatches: int) -> Schedule:
                        in_flight_cap=[3 * S] * S, priority=priority)
 
 
-SCHEDULE_NAMES = tuple(SCHEDULES)
-
 
 def forward_schedule(sched: Schedule) -> Schedule:
     """Forward tasks only (evaluation) on the same stage -> device map: every device
