@@ -81,7 +81,7 @@ def test_unknown_name_and_user_schedule():
 def test_schedule_names_list_every_built_in_schedule():
     # Taken once the asynchronous builders have registered (it held only the five
     # synchronous ones when it was taken in builders.py).
-    assert set(sc.SCHEDULE_NAMES) == set(SCHEDULES) >= {
+    assert set(SCHEDULES) >= set(sc.SCHEDULE_NAMES) >= {
         "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "async", "pipedream", "2bw",
         "spectrain", "spectrain-v1", "pipedream-1t", "spectrain-1t"}
 
