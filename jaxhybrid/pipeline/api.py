@@ -408,7 +408,7 @@ class Pipeline(PipelineVariables):
 
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
-            async_weights.check_opt_state(opt_state, expected_state)
+            async_weights.check_opt_state(opt_state, expected_state, not self.zero)
             with rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)

@@ -117,7 +117,7 @@ def check_per_element(optimizer, param_len: dict) -> None:
     updates (the first with one half 1e6 times larger, so that any clip bites). A probe
     the optimizer cannot run (its own checks) is left to the real call to report."""
     import numpy as np
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
         raise ValueError(f"Pipeline: optimizer must be an optax.GradientTransformation (e.g. "
                          f"optax.adam(1e-3)), got {type(optimizer).__name__}; for gradients "
                          f"alone use pipe.value_and_grad(loss_fn).")
@@ -172,14 +172,20 @@ def check_remat(sched, programs) -> None:
                          f"2bw, spectrain).")
 
 
-def check_opt_state(opt_state, expected) -> None:
+def check_opt_state(opt_state, expected, shapes: bool = True) -> None:
     """A ValueError naming the fix when `opt_state` is not of this optimizer on this
-    pipeline's packed parameters (None, another optimizer's, one of per-layer params):
-    else it failed inside optax or as a shard_map shape error."""
+    pipeline's packed parameters (None, another optimizer's, one of per-layer params, or
+    with `shapes` one made for another split or mesh): else it failed inside optax or as
+    a shard_map shape error."""
+    fix = "; make it with pipe.init_optimizer(optimizer, variables)."
     if jax.tree.structure(opt_state) != jax.tree.structure(expected):
         raise ValueError("Pipeline.train_step: opt_state is not this optimizer's state on the "
-                         "pipeline's packed parameters; make it with "
-                         "pipe.init_optimizer(optimizer, variables).")
+                         "pipeline's packed parameters" + fix)
+    for got, want in zip(jax.tree.leaves(opt_state), jax.tree.leaves(expected)):
+        if shapes and tuple(jnp.shape(got)) != tuple(want.shape):
+            raise ValueError(f"Pipeline.train_step: opt_state has a slot of shape "
+                             f"{tuple(jnp.shape(got))} where this pipeline's packed parameters "
+                             f"need {tuple(want.shape)} (made for another split or mesh?)" + fix)
 
 
 def init_on_packed(init, params):
