@@ -167,7 +167,8 @@ def test_bf16_spectrain_with_a_float32_rate():
     # inject_hyperparams keeps a scheduled rate in float32, so updates of bf16 parameters
     # come back float32; the recorded last update stays bf16 (was: "cond branches must
     # have equal output types"), and the run agrees with optax.sgd's bf16 updates.
-    layers, rate = [Out(jnp.bfloat16), NoParams(), Out(jnp.bfloat16)], optax.linear_schedule(0.1, 0.05, 4)
+    layers = [Out(jnp.bfloat16), NoParams(), Out(jnp.bfloat16)]
+    rate = optax.linear_schedule(0.1, 0.05, 4)
     batches, out = _batches(2, 8), {}
     for name, tx in [("inject", optax.inject_hyperparams(optax.sgd)(learning_rate=rate)),
                      ("plain", optax.sgd(rate))]:
@@ -240,3 +241,13 @@ def test_optimizers_train_step_cannot_run_are_refused():
     with pytest.raises(ValueError, match="zero=1 shards a synchronous"):
         jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
                     schedule="2bw", zero=1)
+
+
+def test_an_optimizer_state_of_another_split_is_refused():
+    # Was "add got incompatible shapes" (same depth) or a shard_map error (other depth).
+    x, t, tx = np.ones((4, W), np.float32), np.ones((4, W), np.float32), optax.sgd(0.1)
+    layers = [Norm(), Out(), Norm()]    # packed lengths 54 and 68 per device
+    a, b = (_pipe(layers, 1, 2, 2, "spectrain", cut) for cut in ([1], [2]))
+    va, vb = a.init(jax.random.key(0), x), b.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="made for another split or mesh"):
+        b.train_step(mse, tx)(vb, a.init_optimizer(tx, va), x, t)

@@ -161,8 +161,9 @@ def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
     except TypeError as e:
         import inspect
         takes = [p for p in inspect.signature(SCHEDULES[name]).parameters][2:]
-        if not set(options) - set(takes):
+        unknown = sorted(set(options) - set(takes))
+        if not unknown:
             raise
         base = f"; {name!r} is {name[:-3]!r} with tasks_per_tick=1" if name.endswith("-1t") else ""
-        raise ValueError(f"schedule {name!r} does not take options {sorted(set(options) - set(takes))} "
-                         f"(it takes {', '.join(takes) or 'none'}{base}).") from e
+        raise ValueError(f"schedule {name!r} does not take options {unknown} (it takes "
+                         f"{', '.join(takes) or 'none'}{base}).") from e
