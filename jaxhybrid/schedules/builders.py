@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -159,7 +160,6 @@ def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
     try:
         return _cached(name, int(num_stages), int(num_microbatches), tuple(sorted(options.items())))
     except TypeError as e:
-        import inspect
         takes = [p for p in inspect.signature(SCHEDULES[name]).parameters][2:]
         unknown = sorted(set(options) - set(takes))
         if not unknown:
