@@ -225,6 +225,11 @@ def test_remat_is_refused_where_it_would_change_the_algorithm():
     pipe = _pipe(LAYERS, 1, 2, 2, "pipedream", [2], remat=[False, True, False])
     pipe.init(jax.random.key(0), x)
     pipe.train_step(mse, optax.sgd(0.1))        # stashed weights: remat changes nothing
+    # nothing stale (the last stage; one microbatch per call): the weights are the same
+    for M, remat in ((2, ["none", "full"]), (1, "full")):
+        pipe = _pipe(LAYERS, 1, 2, M, "async", [2], remat=remat)
+        pipe.init(jax.random.key(0), x)
+        pipe.train_step(mse, optax.sgd(0.1))
 
 
 def test_optimizers_train_step_cannot_run_are_refused():

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxhybrid.pipeline.tables import COL
-from jaxhybrid.schedules.asynchronous import is_asynchronous, updates_per_call
+from jaxhybrid.schedules.asynchronous import is_asynchronous, staleness, updates_per_call
 
 
 class PredictionState(NamedTuple):
@@ -161,10 +161,13 @@ def check_per_element(optimizer, param_len: dict) -> None:
 def check_remat(sched, programs) -> None:
     """A ValueError naming the fix when remat would change an asynchronous algorithm: a
     recomputing backward reruns the forward with the backward's weights, which "newest"
-    (async) and "predict-v1" take other than the forward's, so the activations would
-    not be the ones the forward saw (docs/async.md)."""
-    if sched.weights in ("newest", "predict-v1") and any(
-            p.stage_remat != "none" or any(p.layer_remat) for p in programs):
+    (async) and "predict-v1" take other than the forward's on a stage with staleness, so
+    the activations would not be the ones the forward saw (docs/async.md)."""
+    if sched.weights not in ("newest", "predict-v1"):
+        return
+    stale = staleness(sched)
+    if any(stale[k] > 0 and (p.stage_remat != "none" or any(p.layer_remat))
+           for k, p in enumerate(programs)):
         raise ValueError(f"Pipeline: schedule {sched.name!r} runs a backward on other weights "
                          f"than its forward, and remat would recompute the forward with them "
                          f"(not the activations the forward saw); use remat='none', or a "
