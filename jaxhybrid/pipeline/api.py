@@ -374,6 +374,7 @@ class Pipeline(PipelineVariables):
         """`optimizer.init` on the packed parameters (slots sharded like them; with
         zero=1 also over "data", see `jaxhybrid.pipeline.zero`); for an asynchronous
         schedule, of the optimizer its U tasks run (`async_weights`)."""
+        self._require_vars()
         async_weights.check_per_element(optimizer, self.param_len)
         optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
                                                      self.num_microbatches)
@@ -391,6 +392,7 @@ class Pipeline(PipelineVariables):
         (refused: `async_weights.check_per_element`)."""
         self._require_vars()
         async_weights.check_per_element(optimizer, self.param_len)
+        async_weights.check_remat(self.schedule, self.programs)
         expected_state = async_weights.init_on_packed(functools.partial(
             jax.eval_shape, async_weights.pipeline_optimizer(
                 optimizer, self.schedule, self.num_microbatches).init),
@@ -406,7 +408,7 @@ class Pipeline(PipelineVariables):
 
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
-            async_weights.check_opt_state(opt_state, expected_state)
+            async_weights.check_opt_state(opt_state, expected_state, not self.zero)
             with rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxhybrid.pipeline.tables import COL
-from jaxhybrid.schedules.asynchronous import is_asynchronous, updates_per_call
+from jaxhybrid.schedules.asynchronous import is_asynchronous, staleness, updates_per_call
 
 
 class PredictionState(NamedTuple):
@@ -48,7 +48,11 @@ def pipeline_optimizer(optimizer, sched, num_microbatches: int):
         if not predict:
             return optimizer.update(grads, state, params)
         updates, inner = optimizer.update(grads, state.inner, params)
-        return updates, PredictionState(inner, updates)
+        # Kept in the parameters' dtypes (as init made it): an optimizer may return
+        # float32 updates for bf16 parameters (inject_hyperparams keeps a float32 rate),
+        # and the U task's cond needs one type whether it runs or not.
+        last = jax.tree.map(lambda u, old: u.astype(old.dtype), updates, state.last_update)
+        return updates, PredictionState(inner, last)
 
     return optax.GradientTransformation(init, update)
 
@@ -113,6 +117,10 @@ def check_per_element(optimizer, param_len: dict) -> None:
     updates (the first with one half 1e6 times larger, so that any clip bites). A probe
     the optimizer cannot run (its own checks) is left to the real call to report."""
     import numpy as np
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ValueError(f"Pipeline: optimizer must be an optax.GradientTransformation (e.g. "
+                         f"optax.adam(1e-3)), got {type(optimizer).__name__}; for gradients "
+                         f"alone use pipe.value_and_grad(loss_fn).")
     rs = np.random.RandomState(0)
     keys = sorted(param_len)
     draw = lambda *scale: {k: np.concatenate([rs.randn(3) * s for s in scale]).astype(np.float32)
@@ -129,6 +137,12 @@ def check_per_element(optimizer, param_len: dict) -> None:
     try:
         whole = run(params, [g1, g2])
         parts = [run(half(params, h), [half(g1, h), half(g2, h)]) for h in (0, 1)]
+    except TypeError as e:
+        if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
+            raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
+                             f"train_step calls update(grads, state, params) only: use "
+                             f"pipe.value_and_grad and apply it outside.") from e
+        return
     except Exception:   # noqa: BLE001 - see the docstring
         return
     for step, u in enumerate(whole):
@@ -144,14 +158,37 @@ def check_per_element(optimizer, param_len: dict) -> None:
                     "(global norms are the model's) or to pipe.unpack(grads) (per layer).")
 
 
-def check_opt_state(opt_state, expected) -> None:
+def check_remat(sched, programs) -> None:
+    """A ValueError naming the fix when remat would change an asynchronous algorithm: a
+    recomputing backward reruns the forward with the backward's weights, which "newest"
+    (async) and "predict-v1" take other than the forward's on a stage with staleness, so
+    the activations would not be the ones the forward saw (docs/async.md)."""
+    if sched.weights not in ("newest", "predict-v1"):
+        return
+    stale = staleness(sched)
+    if any(stale[k] > 0 and (p.stage_remat != "none" or any(p.layer_remat))
+           for k, p in enumerate(programs)):
+        raise ValueError(f"Pipeline: schedule {sched.name!r} runs a backward on other weights "
+                         f"than its forward, and remat would recompute the forward with them "
+                         f"(not the activations the forward saw); use remat='none', or a "
+                         f"schedule whose backward reuses its forward's weights (pipedream, "
+                         f"2bw, spectrain).")
+
+
+def check_opt_state(opt_state, expected, shapes: bool = True) -> None:
     """A ValueError naming the fix when `opt_state` is not of this optimizer on this
-    pipeline's packed parameters (None, another optimizer's, one of per-layer params):
-    else it failed inside optax or as a shard_map shape error."""
+    pipeline's packed parameters (None, another optimizer's, one of per-layer params, or
+    with `shapes` one made for another split or mesh): else it failed inside optax or as
+    a shard_map shape error."""
+    fix = "; make it with pipe.init_optimizer(optimizer, variables)."
     if jax.tree.structure(opt_state) != jax.tree.structure(expected):
         raise ValueError("Pipeline.train_step: opt_state is not this optimizer's state on the "
-                         "pipeline's packed parameters; make it with "
-                         "pipe.init_optimizer(optimizer, variables).")
+                         "pipeline's packed parameters" + fix)
+    for got, want in zip(jax.tree.leaves(opt_state), jax.tree.leaves(expected)):
+        if shapes and tuple(jnp.shape(got)) != tuple(want.shape):
+            raise ValueError(f"Pipeline.train_step: opt_state has a slot of shape "
+                             f"{tuple(jnp.shape(got))} where this pipeline's packed parameters "
+                             f"need {tuple(want.shape)} (made for another split or mesh?)" + fix)
 
 
 def init_on_packed(init, params):

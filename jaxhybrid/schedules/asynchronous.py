@@ -16,9 +16,10 @@ and the prediction distance s (`weight_columns`):
   2bw         "two-buffer": two versions; the weights change once per window of
               `window` microbatches (gradients accumulated over it, as in
               PipeDream-2BW); a forward uses the newest version, its backward the
-              same one. Two buffers suffice when the window is at least the stage's
-              in-flight count (checked when the table is built; default: the
-              smallest divisor of M that is >= 2S-1, stage 0's in-flight count).
+              same one. Two buffers suffice when the window is at least stage 0's
+              staleness 2(S-1) (at most one update between a forward and its
+              backward; checked when the table is built; default:
+              the smallest divisor of M that is >= 2S-1, stage 0's in-flight count).
   spectrain   (and "spectrain-v1" = spectrain with version=1, for configs)
               "predict-v2" (version=2, default): the forward uses W + s u, u the update
               the optimizer applied last (momentum SGD: u = -lr v, the paper's
@@ -49,11 +50,15 @@ import numpy as np
 from jaxhybrid.schedules.builders import (_one_f_one_b_order, one_f_one_b, one_f_one_b_warmup,
                                           register_schedule)
 from jaxhybrid.schedules.placer import place_tasks
-from jaxhybrid.schedules.tasks import IDLE, Schedule, Task, TaskType
+from jaxhybrid.schedules.tasks import IDLE, WEIGHT_POLICIES, Schedule, Task, TaskType
 
-ASYNC_POLICIES = ("newest", "stash", "two-buffer", "predict-v1", "predict-v2")
+ASYNC_POLICIES = WEIGHT_POLICIES[1:]
 # Policies whose backward reads a version its forward saved in the stash ring's slot.
 _STASHED = ("stash", "predict-v2")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def is_asynchronous(sched: Schedule) -> bool:
@@ -76,7 +81,7 @@ def _async_table(name: str, S: int, M: int, weights: str, window: int = 1,
     if M % window:
         raise ValueError(f"{name}: num_microbatches={M} is not a multiple of the gradient "
                          f"window {window}; use a multiple of {window}.")
-    if tasks_per_tick not in (1, 2):
+    if not _is_int(tasks_per_tick) or tasks_per_tick not in (1, 2):
         raise ValueError(f"{name}: tasks_per_tick={tasks_per_tick!r} must be 2 (a forward and a "
                          f"backward per tick) or 1 (PipeDream's timing).")
     base = one_f_one_b(S, M) if tasks_per_tick == 2 else one_task_per_tick(S, M)
@@ -113,7 +118,7 @@ def two_bw_window(num_stages: int, num_microbatches: int) -> int:
 def two_bw(num_stages: int, num_microbatches: int, window: int | None = None) -> Schedule:
     if window is None:
         window = two_bw_window(num_stages, num_microbatches)
-    if not isinstance(window, (int, np.integer)) or window < 1:
+    if not _is_int(window) or window < 1:
         raise ValueError(f"2bw: window={window!r} must be an int >= 1.")
     sched = _async_table("2bw", num_stages, num_microbatches, "two-buffer", int(window))
     _two_buffer_versions(sched)   # raises when two buffers do not suffice
@@ -123,10 +128,11 @@ def two_bw(num_stages: int, num_microbatches: int, window: int | None = None) ->
 @register_schedule("spectrain")
 def spectrain(num_stages: int, num_microbatches: int, version: int = 2,
               tasks_per_tick: int = 2) -> Schedule:
-    if version not in (1, 2):
-        raise ValueError(f"spectrain: version={version!r} must be 1 or 2 (the paper's two "
-                         f"choices of s).")
-    return _async_table("spectrain", num_stages, num_microbatches, f"predict-v{version}",
+    if not _is_int(version) or version not in (1, 2):
+        # (2.0 or True named the policy "predict-v2.0" / "predict-vTrue": naive async)
+        raise ValueError(f"spectrain: version={version!r} must be the int 1 or 2 (the "
+                         f"paper's two choices of s).")
+    return _async_table("spectrain", num_stages, num_microbatches, f"predict-v{int(version)}",
                         tasks_per_tick=tasks_per_tick)
 
 
@@ -195,10 +201,12 @@ def _two_buffer_versions(sched: Schedule) -> dict:
         elif t.kind == TaskType.B:
             v = seen[(t.stage, t.microbatch)]
             if done[t.device] > v + 1:
+                need = sched.stage_in_flight()[t.stage] - 1   # updates a window may span
                 raise ValueError(f"{sched.name}: microbatch {t.microbatch}'s backward on "
                                  f"stage {t.stage} needs weight version {v}, overwritten by "
-                                 f"then; use a gradient window of at least the stage's "
-                                 f"in-flight count ({sched.stage_in_flight()[t.stage]}).")
+                                 f"then; use a gradient window of at least {need} (the "
+                                 f"stage's other microbatches in flight) that divides "
+                                 f"M={sched.num_microbatches}.")
             slots[(TaskType.B, t.stage, t.microbatch)] = v % 2
         elif t.kind == TaskType.U:
             done[t.device] += 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -150,10 +151,17 @@ def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)} "
                          f"or pass a jaxhybrid.schedules.Schedule.")
-    if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(f"schedule needs num_stages >= 1 and num_microbatches >= 1, got "
-                         f"{num_stages}, {num_microbatches}.")
+    if num_stages < 1 or num_microbatches < 1 or int(num_stages) != num_stages or \
+            int(num_microbatches) != num_microbatches:   # 2.5 ran as 2
+        raise ValueError(f"schedule needs whole numbers num_stages >= 1 and "
+                         f"num_microbatches >= 1, got {num_stages}, {num_microbatches}.")
     try:
         return _cached(name, int(num_stages), int(num_microbatches), tuple(sorted(options.items())))
     except TypeError as e:
-        raise ValueError(f"schedule {name!r} does not take options {sorted(options)}: {e}") from e
+        takes = [p for p in inspect.signature(SCHEDULES[name]).parameters][2:]
+        unknown = sorted(set(options) - set(takes))
+        if not unknown:
+            raise
+        base = f"; {name!r} is {name[:-3]!r} with tasks_per_tick=1" if name.endswith("-1t") else ""
+        raise ValueError(f"schedule {name!r} does not take options {unknown} (it takes "
+                         f"{', '.join(takes) or 'none'}{base}).") from e

@@ -35,6 +35,11 @@ def _broadcast(cost, n: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(cost, float), (n,)).copy()
 
 
+# Which weights a task sees (`Schedule.weights`): one version per step, or an
+# asynchronous policy (`jaxhybrid.schedules.asynchronous`, `pipeline/async_weights.py`).
+WEIGHT_POLICIES = ("sync", "newest", "stash", "two-buffer", "predict-v1", "predict-v2")
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Tasks and the stage -> device map. `num_devices` = pipeline depth S;
@@ -186,6 +191,11 @@ class Schedule:
         and tick, in an order the lock-step data movement allows."""
         K, M, D = self.num_stages, self.num_microbatches, self.num_devices
         err = lambda msg: ValueError(f"schedule {self.name}: {msg}")
+        if self.weights not in WEIGHT_POLICIES:   # else the engine ran it as naive async
+            raise err(f"weights={self.weights!r} must be one of {', '.join(WEIGHT_POLICIES)}")
+        if self.weights != "sync" and (self.split_backward or K != D):
+            raise err(f"weights={self.weights!r} needs one stage per device and whole "
+                      f"backwards (build it with jaxhybrid.schedules.asynchronous)")
         if K < D or K % D or sorted(np.bincount(self.stage_device, minlength=D)) != [K // D] * D:
             raise err(f"stage_device {self.stage_device} must give each of {D} devices "
                       f"the same number of stages")
