@@ -3,6 +3,7 @@ use: dict / tuple activations, a layer without parameters, conv + BatchNorm, dro
 odd batches, 1, 2, 6 and 8 devices, a background job with state; the planner on
 hand-made costs; the script's flags. Each error case failed with a traceback from deep
 inside JAX (or gave a wrong projection) before its fix."""
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import optax
 import pytest
 
 from jaxhybrid import burst
+from jaxhybrid.bench import mlp
+from jaxhybrid.bench.mlp import xent
 from jaxhybrid.burst import multiplex
 from jaxhybrid.mesh import make_mesh
 from jaxhybrid.models.spec import apply_layers, init_layers
@@ -55,16 +58,7 @@ class Drop(nn.Module):
         return nn.Dropout(0.5, deterministic=not train)(x)
 
 
-class Head(nn.Module):
-    classes: int = 5
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(self.classes)(x)
-
-
-def xent(logits, labels):
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+Head = functools.partial(mlp.Head, classes=5)
 
 
 LAYERS = [ConvSplit(), DictToTuple(), Join(), Drop(), Head()]
