@@ -48,7 +48,7 @@ best C gives the fastest slowest stage (exact against brute force, tests/test_re
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -313,33 +313,51 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         fwd = np.array([costs[a + i].fwd_time for i in cand], float)
         base = sum(c.fwd_time + c.bwd_time for c in costs[a:b])
         kept = saved.sum() + _loss_bytes(costs, b)
-        stages.append((a, cand, delta[cand], fwd, kept, base,
-                       _spmd_options(delta[cand], fwd, kept, exact_limit),
-                       _backward_work(costs, a, b)))
+        stages.append(_StageChoices(a, cand, delta[cand], fwd, kept, base,
+                                    _spmd_options(delta[cand], fwd, kept, exact_limit),
+                                    _backward_work(costs, a, b)))
     caps = np.unique(np.concatenate(
-        [o[6][1] if o[6] is not None else _greedy_caps(o[2], o[3], o[4]) for o in stages]))
+        [o.options[1] if o.options is not None else _greedy_caps(o.delta, o.fwd, o.kept)
+         for o in stages]))
     caps = caps[caps <= (budget - fixed) / rows * (1 + 1e-12)]
     if caps.size > max_caps:
         caps = np.unique(caps[np.linspace(0, caps.size - 1, max_caps).round().astype(int)])
     options = []
     for cap in caps:
         work_cap = budget - fixed - rows * cap
-        picks = [_spmd_stage_pick(o[6], o[2], o[3], o[4], cap, work_cap - o[7]) for o in stages]
+        picks = [_spmd_stage_pick(o.options, o.delta, o.fwd, o.kept, cap, work_cap - o.work)
+                 for o in stages]
         if any(p is None for p in picks):
             continue
-        times = [o[5] + p[1] for o, p in zip(stages, picks)]
-        key = (max(times), sum(p[1] for p in picks), rows * max(p[2] for p in picks)
-               + max(p[3] + o[7] for o, p in zip(stages, picks)))
-        options.append((key, picks))
+        options.append((_option_key(stages, picks, rows * max(p[2] for p in picks)), picks))
     options += _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps)
-    for _, picks in sorted(options, key=lambda o: o[0]):
+    for _, picks in sorted(options, key=lambda option: option[0]):
         remat = [False] * L
         for o, p in zip(stages, picks):
-            for i in o[1][p[0]]:
-                remat[o[0] + int(i)] = True
+            for i in o.cand[p[0]]:
+                remat[o.first + int(i)] = True
         if device(remat)[1] <= budget * (1 + 1e-12):
             return remat
     return full   # max_caps thinned out the caps that work, or dtype padding broke them
+
+
+class _StageChoices(NamedTuple):
+    """One stage's recomputation choices (`choose_remat_spmd`)."""
+    first: int            # the stage's first layer
+    cand: np.ndarray      # stage-local indices of the layers whose recomputation saves bytes
+    delta: np.ndarray     # bytes each candidate saves
+    fwd: np.ndarray       # the forward time each candidate's recomputation adds
+    kept: float           # stash bytes with nothing recomputed
+    base: float           # forward + backward time with nothing recomputed
+    options: Any          # `_spmd_options` (every subset, cheapest first) or None (greedy)
+    work: float           # the backward's temporaries (`_backward_work`)
+
+
+def _option_key(stages, picks, stash_bytes: float) -> tuple:
+    """How a choice of one pick per stage ranks: the slowest stage's time, the total
+    recomputed time, then the bytes (stash rows + the largest transient)."""
+    return (max(o.base + p[1] for o, p in zip(stages, picks)), sum(p[1] for p in picks),
+            stash_bytes + max(p[3] + o.work for o, p in zip(stages, picks)))
 
 
 def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> list:
@@ -348,11 +366,11 @@ def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> 
     one dtype where another keeps less): search a cap per dtype, over the values the
     stages' subsets reach (exact up to `max_caps` cap vectors, thinned beyond). Only
     when every stage's subsets are enumerated (`exact_limit`); [] otherwise."""
-    if any(o[6] is None for o in stages):
+    if any(o.options is None for o in stages):
         return []
     per_stage = []   # [options, dtypes] kept bytes of every subset of every stage
     for (a, b), o in zip(ranges, stages):
-        masks = o[6][0]
+        masks = o.options[0]
         plain = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
         per_stage.append((plain, masks))
     dtypes = sorted({d for plain, _ in per_stage for d in plain} | {"float32"})
@@ -361,8 +379,8 @@ def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> 
     kept = []
     for (a, b), o, (plain, masks) in zip(ranges, stages, per_stage):
         base = np.array([plain.get(d, 0.0) for d in dtypes])
-        change = np.zeros((len(o[1]), len(dtypes)))   # remat of a candidate: its parts go,
-        for j, i in enumerate(o[1]):                   # its input comes (as float32)
+        change = np.zeros((len(o.cand), len(dtypes)))   # remat of a candidate: its parts go,
+        for j, i in enumerate(o.cand):                   # its input comes (as float32)
             r = np.zeros(len(costs), bool)
             r[a + i] = True
             one = _kept_by_dtype(costs, a + i, a + i + 1, r)
@@ -382,17 +400,14 @@ def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> 
         work_cap = budget - fixed - rows * caps.sum()
         picks = []
         for o, k in zip(stages, kept):
-            masks, _, trans, extra = o[6]
-            ok = (k <= caps * (1 + 1e-12) + 1e-9).all(1) & (trans <= work_cap - o[7])
+            masks, _, trans, extra = o.options
+            ok = (k <= caps * (1 + 1e-12) + 1e-9).all(1) & (trans <= work_cap - o.work)
             if not ok.any():
                 break
             j = int(ok.argmax())   # the options are cheapest first
             picks.append((np.nonzero(masks[j])[0], extra[j], k[j], trans[j]))
         if len(picks) < len(stages):
             continue
-        times = [o[5] + p[1] for o, p in zip(stages, picks)]
-        row = float(np.max([p[2] for p in picks], 0).sum())
-        key = (max(times), sum(p[1] for p in picks),
-               rows * row + max(p[3] + o[7] for o, p in zip(stages, picks)))
-        out.append((key, picks))
+        row = float(np.max([p[2] for p in picks], 0).sum())   # per dtype the largest, summed
+        out.append((_option_key(stages, picks, rows * row), picks))
     return out
