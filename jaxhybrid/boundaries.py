@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.checks import is_int
+
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
     """The equal-layer-count split: stages of floor(L/S) or ceil(L/S) layers, the extra
@@ -45,7 +47,7 @@ def check_boundaries(boundaries: Sequence[int], num_layers: int,
 
 def _layer_index(x, boundaries) -> int:
     # int() truncated 1.5 to 1 silently and failed on "a" with an int-parsing message.
-    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+    if is_int(x):
         return int(x)
     if isinstance(x, (float, np.floating)) and float(x).is_integer():
         return int(x)

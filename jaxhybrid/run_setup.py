@@ -20,6 +20,7 @@ from absl import logging
 import jaxhybrid as jh
 from jaxhybrid import config_flags, data, models
 from jaxhybrid import pipeline as jp
+from jaxhybrid.checks import is_int as _int
 from jaxhybrid.mesh import DATA
 from jaxhybrid.optim import OPTIMIZERS
 from jaxhybrid.plan.topology import parse_bytes
@@ -69,10 +70,6 @@ def _check_fields(config) -> None:
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def _int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def prepare(config, train_data: Callable[[], Iterable] | None = None,

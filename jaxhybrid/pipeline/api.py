@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid.checks import is_int
 from jaxhybrid.layers import raw_key
 from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
@@ -87,8 +88,7 @@ class Pipeline(PipelineVariables):
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
         self.zero = checked_zero(zero)
-        if (not isinstance(num_microbatches, (int, np.integer)) or num_microbatches < 1
-                or isinstance(num_microbatches, bool)):   # True is an int, not a count
+        if not is_int(num_microbatches) or num_microbatches < 1:
             raise ValueError(f"Pipeline: num_microbatches={num_microbatches!r} must be an int >= 1.")
         self.num_microbatches = int(num_microbatches)
         self.schedule = checked_schedule(schedule, self.pipe_size, self.num_microbatches,

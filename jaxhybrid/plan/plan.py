@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxhybrid.boundaries import stage_ranges, stage_sums
+from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
@@ -274,7 +275,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     # topology.
     for name, value in (("data", data), ("virtual_stages", virtual_stages),
                         ("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"make_plan: {name}={value!r} must be an int >= 1.")
     if not param_state_factor >= 2:   # below 2 the optimizer state came out negative
         raise ValueError(f"make_plan: param_state_factor={param_state_factor!r} would give "

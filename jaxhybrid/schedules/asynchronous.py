@@ -47,6 +47,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxhybrid.checks import is_int as _is_int
 from jaxhybrid.schedules.builders import (_one_f_one_b_order, one_f_one_b, one_f_one_b_warmup,
                                           register_schedule)
 from jaxhybrid.schedules.placer import place_tasks
@@ -55,10 +56,6 @@ from jaxhybrid.schedules.tasks import IDLE, WEIGHT_POLICIES, Schedule, Task, Tas
 ASYNC_POLICIES = WEIGHT_POLICIES[1:]
 # Policies whose backward reads a version its forward saved in the stash ring's slot.
 _STASHED = ("stash", "predict-v2")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def is_asynchronous(sched: Schedule) -> bool:
