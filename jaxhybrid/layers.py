@@ -18,6 +18,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -79,3 +80,16 @@ def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
         return y, nn.meta.unbox(dict(new_state))
     y = layer.apply(variables, x, rngs=rngs, **kwargs)
     return y, state
+
+
+def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) -> jax.Array:
+    """loss_fn(outputs, targets) as a float32 scalar. A loss that is not one (an unreduced
+    per-example loss, a (loss, aux) tuple) is refused while the step is traced, naming
+    `what` it must be: else it surfaced as a cond / switch type error or a shape error
+    deep inside the step."""
+    loss = jnp.asarray(loss_fn(outputs, targets), jnp.float32)
+    if loss.shape != ():
+        raise ValueError(f"{who}: loss_fn returned shape {loss.shape}; it must return a scalar "
+                         f"({what}): reduce it, e.g. jnp.mean(...), and compute auxiliary "
+                         f"values outside.")
+    return loss

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
 from jaxhybrid.mesh import DATA, PIPE
 
 PyTree = Any
@@ -110,11 +110,7 @@ def check_stacked(what: str, tree: PyTree, G: int) -> None:
 
 def chunk_loss(program: "BurstProgram", y, t):
     """loss_fn on one device's chunk, as a float32 scalar."""
-    loss = jnp.asarray(program.loss_fn(y, t), jnp.float32)
-    if loss.shape != ():
-        raise ValueError(f"burst: loss_fn returned shape {loss.shape}; it must return the "
-                         f"chunk's mean loss, a scalar (e.g. jnp.mean over the examples).")
-    return loss
+    return scalar_loss(program.loss_fn, y, t, "burst", "the chunk's mean loss")
 
 
 def _relayout(x: PyTree, g_from: int, g_to: int, batch: int, what: str = "activation") -> PyTree:

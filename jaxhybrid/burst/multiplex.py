@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
                                       check_batch, check_stacked,
                                       explicit_value_and_grad, shard)
-from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
 from jaxhybrid.mesh import DATA
 
 
@@ -178,11 +178,7 @@ def _tasks(job: BackgroundJob, targets, key, treedefs: dict):
 
 
 def _scalar_loss(job: BackgroundJob, y, targets):
-    loss = jnp.asarray(job.loss_fn(y, targets), jnp.float32)
-    if loss.shape != ():
-        raise ValueError(f"BackgroundJob: loss_fn returned shape {loss.shape}; it must return "
-                         f"the batch's mean loss, a scalar.")
-    return loss
+    return scalar_loss(job.loss_fn, y, targets, "BackgroundJob", "the batch's mean loss")
 
 
 def _set(seq, i, value):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.boundaries import check_boundaries, even_boundaries, stage_ranges  # noqa: F401 (re-exported)
-from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
 
 PyTree = Any
 
@@ -87,12 +87,7 @@ Loss = Callable[[PyTree, PyTree], jax.Array]
 
 
 def microbatch_loss(loss_fn: Loss, outputs: PyTree, targets: PyTree, num_microbatches: int):
-    """loss_fn(outputs, targets) / M as a float32 scalar. A loss that is not a scalar (an
-    unreduced per-example loss, a (loss, aux) tuple) is refused here, while tracing: else
-    it surfaced as "switch branches must have equal output types" from the runtime."""
-    loss = jnp.asarray(loss_fn(outputs, targets), jnp.float32)
-    if loss.shape != ():
-        raise ValueError(f"Pipeline: loss_fn(outputs, targets) must return a scalar (the "
-                         f"mean loss of one microbatch), got shape {loss.shape}; reduce it, "
-                         f"e.g. jnp.mean(...), and compute auxiliary values outside.")
-    return loss / num_microbatches
+    """loss_fn(outputs, targets) / M as a float32 scalar (`layers.scalar_loss`: a loss
+    that is not a scalar surfaced as "switch branches must have equal output types")."""
+    return scalar_loss(loss_fn, outputs, targets, "Pipeline",
+                       "the mean loss of one microbatch") / num_microbatches
