@@ -318,7 +318,7 @@ def test_remat_is_the_brute_force_optimum(mixed):
     (dict(schedule="bogus"), "unknown schedule 'bogus'; choose one of"),
     (dict(memory_budget="8G"), "write '8GB'"),
     (dict(memory_budget=0), r"memory_budget=0: size must be > 0"),
-    (dict(memory_budget=True), "memory_budget=True is no size"),
+    (dict(memory_budget=True), "memory_budget=True: size True is a bool"),
     (dict(microbatch_size=0), "batch_size=0 must be >= 1"),
 ])
 def test_make_plan_input_errors(kwargs, match):
@@ -366,7 +366,7 @@ def test_plan_from_config_checks_before_profiling(monkeypatch):
     for kw, match in [
         (dict(memory_budget="8G"), "write '8GB'"),
     (dict(memory_budget=0), r"memory_budget=0: size must be > 0"),
-    (dict(memory_budget=True), "memory_budget=True is no size"),
+    (dict(memory_budget=True), "memory_budget=True: size True is a bool"),
         (dict(topology="bogus"), "bad topology spec 'bogus'"),
         (dict(topology="uniform:1:10GB/s"), "need 2 devices but the topology has 1"),
     ]:

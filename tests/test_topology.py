@@ -86,3 +86,12 @@ def test_matrix_validation():
 def test_default_is_this_host():
     t = Topology.default()
     assert t.n == jax.device_count() == 8 and t.is_uniform()
+
+
+@pytest.mark.parametrize("fn,value,match", [
+    (parse_bytes, True, "size True is a bool"), (parse_bandwidth, True, "bandwidth True is a bool"),
+    (parse_time, False, "latency False is a bool"), (parse_time, -1e-6, "must be >= 0")])
+def test_bools_and_negative_latencies_are_refused(fn, value, match):
+    # True read as 1 byte (a budget nothing fits), 1 B/s or 1 s before.
+    with pytest.raises(ValueError, match=match):
+        fn(value)

@@ -225,8 +225,6 @@ def _objective_value(sc, objective: str, M: int) -> float:
 
 def _budget(value, what: str) -> float:
     """The budget in bytes; a bad one named ("size must be > 0, got 0.0" said not which)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}={value!r} is no size; write e.g. '16GB' or a number of bytes.")
     try:
         return parse_bytes(value)
     except ValueError as e:

@@ -44,9 +44,17 @@ SPEC_GRAMMAR = ("'uniform:N:BW[:LAT]' or 'AxB:intra=BW,inter=BW[,intra_lat=LAT,i
                 "or 'default', e.g. '2x4:intra=300GB/s,inter=12GB/s'")
 
 
+def _is_number(value, what: str) -> bool:
+    """True for a plain number; a bool (True would read as 1 byte, 1 B/s, 1 s) is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        example = {"size": "'2GB'", "bandwidth": "'12GB/s'", "latency": "'5us'"}[what]
+        raise ValueError(f"{what} {value!r} is a bool; write a number or e.g. {example}.")
+    return isinstance(value, (int, float, np.number))
+
+
 def parse_bandwidth(text: str | float) -> float:
     """'12GB/s' -> 12e9 bytes/s; '10Gbps' / '10Gb/s' -> 1.25e9 (bits). Numbers pass through."""
-    if isinstance(text, (int, float, np.number)):
+    if _is_number(text, "bandwidth"):
         return _positive(float(text), "bandwidth")
     m = re.fullmatch(_NUM + r"([A-Za-z/]+)\s*", str(text))
     if m:
@@ -61,7 +69,7 @@ def parse_bandwidth(text: str | float) -> float:
 
 def parse_bytes(text: str | float) -> float:
     """'2GB' -> 2e9, '1.5GiB' -> 1.5 * 2**30. Numbers pass through."""
-    if isinstance(text, (int, float, np.number)):
+    if _is_number(text, "size"):
         return _positive(float(text), "size")
     m = re.fullmatch(_NUM + r"([A-Za-z]*)\s*", str(text))
     if m and (m.group(2) == "" or m.group(2).lower() in _SIZE_UNITS):
@@ -77,8 +85,10 @@ def parse_bytes(text: str | float) -> float:
 
 
 def parse_time(text: str | float) -> float:
-    """'5us' -> 5e-6 s. Numbers (seconds) pass through."""
-    if isinstance(text, (int, float, np.number)):
+    """'5us' -> 5e-6 s. Numbers (seconds, >= 0) pass through."""
+    if _is_number(text, "latency"):
+        if not float(text) >= 0:
+            raise ValueError(f"latency {text!r} must be >= 0 seconds; write e.g. 5e-6 or '5us'.")
         return float(text)
     m = re.fullmatch(_NUM + r"([a-z]+)\s*", str(text))
     if m and m.group(2) in _TIME_UNITS:
