@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxhybrid.boundaries import stage_ranges, stage_sums
+from jaxhybrid.boundaries import check_boundaries, stage_ranges, stage_sums
 from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
@@ -232,18 +232,12 @@ def _budget(value, what: str) -> float:
 
 
 def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
-    try:   # 2.5 is no layer index (int() would quietly make it 2)
-        cuts = [int(b) for b in boundaries]
-        whole = all(float(b) == c for b, c in zip(boundaries, cuts))
-    except (TypeError, ValueError):
-        whole = False
-    if not whole:
-        raise ValueError(f"make_plan: boundaries={list(boundaries)} must be whole layer "
-                         f"indices (the first layer of stages 1..{S - 1}).")
-    if len(cuts) != S - 1 or any(not 0 < b < L for b in cuts) or cuts != sorted(set(cuts)):
-        raise ValueError(f"make_plan: boundaries={list(boundaries)} must be {S - 1} increasing "
-                         f"layer indices in 1..{L - 1}.")
-    return cuts
+    """The user's boundaries, checked by the one boundary check (as ValueErrors: make_plan
+    reports every bad argument as one)."""
+    try:
+        return check_boundaries(boundaries, L, S)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"make_plan: {e}") from None
 
 
 def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: int,
