@@ -231,6 +231,23 @@ def _budget(value, what: str) -> float:
         raise ValueError(f"{what}={value!r}: {e}") from None
 
 
+def _checked_topology(topology, stages: int, data: int, v: int, who: str, flag: str):
+    """`topology` (a spec string parsed) when it can carry `stages` x `data` devices without
+    virtual stages (`v` per device), which the link model does not price yet; else a
+    ValueError from `who` naming `flag`."""
+    if topology is None:
+        return None
+    if v > 1:
+        raise ValueError(f"{who}: a topology with virtual stages is not modelled yet; drop "
+                         f"{flag} or use a schedule without virtual stages.")
+    if isinstance(topology, str):
+        topology = Topology.from_spec(topology)
+    if topology.n < stages * data:
+        raise ValueError(f"{who}: {stages} stages x data={data} need {stages * data} devices "
+                         f"but the topology has {topology.n}; pass a bigger topology.")
+    return topology
+
+
 def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
     """The user's boundaries, checked by the one boundary check (as ValueErrors: make_plan
     reports every bad argument as one)."""
@@ -287,14 +304,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: {how}{S} stages but only {L} layers; use "
                          + ("fewer virtual stages, " if v > 1 else "")
                          + "fewer pipeline stages or split the model into more layers.")
-    if v > 1 and topology is not None:
-        raise ValueError("make_plan: a topology with virtual stages is not modelled yet; "
-                         "drop topology= or use a schedule without virtual stages.")
-    if isinstance(topology, str):
-        topology = Topology.from_spec(topology)
-    if topology is not None and topology.n < S * data:
-        raise ValueError(f"make_plan: {S} stages x data={data} need {S * data} devices but the "
-                         f"topology has {topology.n}; pass a bigger topology.")
+    topology = _checked_topology(topology, S, data, v, "make_plan", "topology=")
     budget = None if memory_budget is None else _budget(memory_budget, "make_plan: memory_budget")
     shard = dict(model=model, zero_shards=zero_shards)
     times = [local_cost(c, model) for c in costs]     # one device's share of each layer
@@ -448,8 +458,6 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     # What can be wrong without the costs is checked before profiling (minutes for a big
     # model): the budget, the topology, the schedule, and stages against layers.
     budget = None if budget is None else _budget(budget, "plan_from_config: memory_budget")
-    if isinstance(topology, str):
-        topology = Topology.from_spec(topology)
     sched = make_schedule(schedule, S, M, **({"virtual_stages": v} if v > 1 else {}))
     if cuts is not None and len(cuts) != sched.num_stages - 1:   # e.g. --stages changed
         raise ValueError(f"plan_from_config: pipeline.boundaries={list(cuts)} gives "
@@ -458,12 +466,8 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
     if sched.num_stages > len(spec.layers):
         raise ValueError(f"plan_from_config: {sched.num_stages} stages but the model has only "
                          f"{len(spec.layers)} layers; use fewer stages (--stages).")
-    if topology is not None and sched.virtual_stages > 1:
-        raise ValueError("plan_from_config: a topology with virtual stages is not modelled "
-                         "yet; drop --topology or use a schedule without virtual stages.")
-    if topology is not None and topology.n < S * data:
-        raise ValueError(f"plan_from_config: {S} stages x data={data} need {S * data} devices "
-                         f"but the topology has {topology.n}; pass a bigger topology.")
+    topology = _checked_topology(topology, S, data, sched.virtual_stages, "plan_from_config",
+                                 "--topology")
     inputs, _ = spec.sample_batch(batch // (data * M))
     costs = profile(spec.layers, inputs, measure=measure)
     if isinstance(hardware, str):
