@@ -8,6 +8,8 @@ import functools
 
 import numpy as np
 
+from jaxhybrid.checks import is_int
+
 IDLE = -1
 
 
@@ -57,6 +59,13 @@ class Schedule:
     # policy of `jaxhybrid.schedules.asynchronous` (U tasks then name the last microbatch
     # of the gradient window they apply).
     weights: str = "sync"
+
+    def __post_init__(self):
+        # Lists work as well (a user's table): tuples keep the schedule hashable, which
+        # the pipeline's caches need ("unhashable type: 'list'" deep inside otherwise).
+        for field in ("stage_device", "tasks"):
+            if isinstance(getattr(self, field), list):
+                object.__setattr__(self, field, tuple(getattr(self, field)))
 
     @property
     def num_stages(self) -> int:
@@ -191,6 +200,7 @@ class Schedule:
         and tick, in an order the lock-step data movement allows."""
         K, M, D = self.num_stages, self.num_microbatches, self.num_devices
         err = lambda msg: ValueError(f"schedule {self.name}: {msg}")
+        self._validate_fields(err)
         if self.weights not in WEIGHT_POLICIES:   # else the engine ran it as naive async
             raise err(f"weights={self.weights!r} must be one of {', '.join(WEIGHT_POLICIES)}")
         if self.weights != "sync" and (self.split_backward or K != D):
@@ -202,20 +212,32 @@ class Schedule:
         when: dict = {}
         slots = set()
         for t in self.tasks:
-            if not (0 <= t.stage < K) or t.device != self.stage_device[t.stage]:
+            if not 0 <= t.stage < K:
+                raise err(f"{t.kind.name}{t.microbatch} names stage {t.stage}; stages are "
+                          f"0..{K - 1} (one per entry of stage_device)")
+            if t.device != self.stage_device[t.stage]:
                 raise err(f"{t} runs on device {t.device}, its stage lives on "
-                          f"{self.stage_device[t.stage] if 0 <= t.stage < K else '?'}")
+                          f"{self.stage_device[t.stage]}; put it on that device or change "
+                          f"stage_device")
             if (t.tick, t.device, t.kind) in slots:
                 raise err(f"two {t.kind.name} tasks on device {t.device} in tick {t.tick}")
             slots.add((t.tick, t.device, t.kind))
             key = (t.kind, t.stage, t.microbatch)
-            if key in when or (t.kind != TaskType.U and not 0 <= t.microbatch < M):
-                raise err(f"{t} is repeated or its microbatch is out of range")
+            if t.kind != TaskType.U and not 0 <= t.microbatch < M:
+                raise err(f"{t} names microbatch {t.microbatch}; the schedule has "
+                          f"num_microbatches={M} (0..{M - 1})")
+            if key in when:
+                raise err(f"{t} is repeated (ticks {when[key]} and {t.tick}); keep one")
             when[key] = t.tick
         kinds = (TaskType.F,) if self.forward_only else \
             (TaskType.F, TaskType.B) + ((TaskType.W,) if self.split_backward else ())
         if not self.split_backward and any(k == TaskType.W for k, _, _ in when):
             raise err("W tasks need split_backward=True")
+        if self.forward_only and any(k != TaskType.F for k, _, _ in when):
+            raise err("a forward_only schedule runs F tasks only; drop its B / W / U "
+                      "tasks or set forward_only=False")
+        if self.weights == "sync":
+            self._validate_sync_updates(err)
         for kind in kinds:
             for k in range(K):
                 for m in range(M):
@@ -239,6 +261,42 @@ class Schedule:
                 upto = range(M) if m == IDLE else (m,)
                 if any(when[(last, j, i)] > t for j in mine for i in upto):
                     raise err(f"U of device {d} at tick {t} before its last backward")
+
+    def _validate_fields(self, err) -> None:
+        """Types and ranges of the fields (a negative or fractional tick indexed the
+        runtime's table from its end, silently)."""
+        D, M = self.num_devices, self.num_microbatches
+        if not is_int(D) or D < 1 or not is_int(M) or M < 1:
+            raise err(f"num_devices={D!r} and num_microbatches={M!r} must be ints >= 1")
+        if not all(is_int(d) and 0 <= d < D for d in self.stage_device):
+            raise err(f"stage_device {tuple(self.stage_device)} must hold device indices "
+                      f"0..{D - 1}")
+        if not self.tasks:
+            raise err("has no tasks")
+        for t in self.tasks:
+            if not isinstance(t, Task) or not isinstance(t.kind, TaskType):
+                raise err(f"task {t!r} must be a Task(tick, device, TaskType, stage, "
+                          f"microbatch)")
+            if not all(is_int(x) for x in (t.tick, t.device, t.stage, t.microbatch)) or \
+                    t.tick < 0 or not 0 <= t.device < D:
+                raise err(f"{t!r}: tick, device, stage and microbatch must be ints, with "
+                          f"tick >= 0 and device in 0..{D - 1}")
+
+    def _validate_sync_updates(self, err) -> None:
+        """A synchronous schedule's U tasks: none (`with_updates` adds them), or one per
+        device naming no microbatch (the step's update waits for every backward; with U
+        on some devices only, the others silently kept their old parameters)."""
+        updates = [t for t in self.tasks if t.kind == TaskType.U]
+        if not updates:
+            return
+        if any(t.microbatch != IDLE for t in updates):
+            raise err(f"a synchronous schedule's U tasks update once per step after every "
+                      f"backward: give them microbatch={IDLE} (IDLE), or leave U out and "
+                      f"let Schedule.with_updates place them")
+        missing = sorted(set(range(self.num_devices)) - {t.device for t in updates})
+        if missing or len(updates) != self.num_devices:
+            raise err(f"a synchronous schedule needs one U task per device or none "
+                      f"(devices without one: {missing}; with_updates places them)")
 
     # --- pictures --------------------------------------------------------------------
     def chart(self) -> str:
