@@ -41,6 +41,10 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
         raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
                          f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
     sched = make_schedule(schedule, pipe, M, **options)
+    if sched.forward_only:   # its value_and_grad returned zero gradients
+        raise ValueError(f"Pipeline: schedule {sched.name!r} is forward_only (no backward "
+                         f"tasks); pass a training schedule (apply derives its forward "
+                         f"table from it).")
     if zero and sched.weights != "sync":
         raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
                          f"schedule {sched.name!r} updates per gradient window "
