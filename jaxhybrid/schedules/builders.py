@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxhybrid.checks import is_int
 from jaxhybrid.schedules.placer import ScheduleDeadlock, place_tasks
 from jaxhybrid.schedules.tasks import Schedule, TaskType
 
@@ -74,7 +75,7 @@ def _interleaved_orders(S: int, M: int, v: int, extra: int) -> list:
 @register_schedule("interleaved")
 def interleaved(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     S, M, v = num_stages, num_microbatches, virtual_stages
-    if not isinstance(v, (int, np.integer)) or v < 1:
+    if not is_int(v) or v < 1:
         raise ValueError(f"interleaved: virtual_stages={v!r} must be an int >= 1.")
     stage_device = [k % S for k in range(S * v)]
     best = None
@@ -151,15 +152,21 @@ def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)} "
                          f"or pass a jaxhybrid.schedules.Schedule.")
-    if num_stages < 1 or num_microbatches < 1 or int(num_stages) != num_stages or \
-            int(num_microbatches) != num_microbatches:   # 2.5 ran as 2
-        raise ValueError(f"schedule needs whole numbers num_stages >= 1 and "
-                         f"num_microbatches >= 1, got {num_stages}, {num_microbatches}.")
+    if not all(is_int(n) and n >= 1 for n in (num_stages, num_microbatches)):
+        # 2.5 ran as 2; True as 1; "2" and None raised TypeError from a comparison
+        raise ValueError(f"schedule needs whole numbers (ints) num_stages >= 1 and "
+                         f"num_microbatches >= 1, got {num_stages!r}, {num_microbatches!r}.")
+    options = tuple(sorted(options.items()))
     try:
-        return _cached(name, int(num_stages), int(num_microbatches), tuple(sorted(options.items())))
+        hash(options)
+    except TypeError:   # the builder cache keys on them: "unhashable type: 'list'"
+        raise ValueError(f"schedule {name!r}: options {dict(options)} must be plain values "
+                         f"(ints, strings), not lists or arrays.") from None
+    try:
+        return _cached(name, int(num_stages), int(num_microbatches), options)
     except TypeError as e:
         takes = [p for p in inspect.signature(SCHEDULES[name]).parameters][2:]
-        unknown = sorted(set(options) - set(takes))
+        unknown = sorted(set(dict(options)) - set(takes))
         if not unknown:
             raise
         base = f"; {name!r} is {name[:-3]!r} with tasks_per_tick=1" if name.endswith("-1t") else ""
