@@ -94,6 +94,18 @@ def test_make_schedule_refuses_odd_arguments(S, M, opts, msg):
         make_schedule(name, S, M, **opts)
 
 
+@pytest.mark.parametrize("kw,msg", [
+    # weight_cost > bwd_cost made B cost < 0: a bubble of 0.53 for a 1f1b-sized table.
+    (dict(weight_cost=3.0), "exceeds bwd_cost=2.0"),
+    (dict(fwd_cost=-1.0), "fwd_cost=-1.0 must be a finite cost >= 0"),
+    (dict(fwd_cost=[1, 2, 3]), r"one per stage \(2 stages\)"),   # numpy's broadcast error
+    (dict(fwd_cost=0.0, bwd_cost=0.0), "every task costs 0"),        # nan, with a warning
+])
+def test_bubble_fraction_refuses_meaningless_costs(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        make_schedule("zb-h1", 2, 3).bubble_fraction(**kw)
+
+
 # --- odd but valid tables -------------------------------------------------------------------
 def _split_reversed():
     """Split backward on reversed devices (stage 0 on device 1): stage 1 runs F, B and W

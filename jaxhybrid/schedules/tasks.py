@@ -33,8 +33,14 @@ class Task:
         return f"{self.kind.name}{m}" + (f"s{self.stage}" if self.stage >= 0 else "")
 
 
-def _broadcast(cost, n: int) -> np.ndarray:
-    return np.broadcast_to(np.asarray(cost, float), (n,)).copy()
+def _broadcast(cost, n: int, what: str) -> np.ndarray:
+    """A per-stage cost: a scalar or one per stage, finite and >= 0 (a negative one made
+    `bubble_fraction` a number in (0, 1) that meant nothing)."""
+    c = np.asarray(cost, float)
+    if c.ndim > 1 or c.size not in (1, n) or not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError(f"{what}={cost!r} must be a finite cost >= 0, a scalar or one "
+                         f"per stage ({n} stages).")
+    return np.broadcast_to(c.reshape(-1) if c.ndim else c, (n,)).copy()
 
 
 # Which weights a task sees (`Schedule.weights`): one version per step, or an
@@ -117,10 +123,13 @@ class Schedule:
         """{kind: per-stage cost}. bwd_cost is the full backward; a split schedule's B and
         W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
         K = self.num_stages
-        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
-        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        f, b = _broadcast(fwd_cost, K, "fwd_cost"), _broadcast(bwd_cost, K, "bwd_cost")
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K, "weight_cost")
+        if self.split_backward and np.any(w > b):   # B would cost bwd - weight < 0
+            raise ValueError(f"weight_cost={weight_cost!r} exceeds bwd_cost={bwd_cost!r}: "
+                             f"bwd_cost is the full backward, B + W; give weight_cost <= it.")
         return {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
-                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+                TaskType.W: w, TaskType.U: _broadcast(update_cost, K, "update_cost")}
 
     def work(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> np.ndarray:
         """[ticks, devices] busy time of each device in each tick, from per-stage costs
@@ -140,7 +149,10 @@ class Schedule:
         """Fraction of device time idle when the table runs in lock step with the given
         per-stage costs (defaults: F = 1, B = 2, and B = W = 1 when split)."""
         work = self.work(fwd_cost, bwd_cost, weight_cost)
-        return float(1.0 - work.sum() / (work.max(axis=1).sum() * self.num_devices))
+        span = work.max(axis=1).sum()
+        if span == 0:   # 0 / 0: nan, with a RuntimeWarning
+            raise ValueError("bubble_fraction: every task costs 0; give some cost > 0.")
+        return float(1.0 - work.sum() / (span * self.num_devices))
 
     def _peak_live(self, by: str) -> np.ndarray:
         """Most microbatches with stashed residuals at once, per device or per stage:
