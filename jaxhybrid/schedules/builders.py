@@ -61,8 +61,18 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return place_tasks("1f1b", S, M, range(S), orders)
 
 
-def _interleaved_orders(S: int, M: int, v: int, extra: int) -> list:
+def _interleaved_groups(S: int, M: int) -> list:
+    """Microbatch groupings to try: groups of S (Megatron's), and when M % S leaves a
+    short last group, that group merged into the one before it. A short group runs its
+    few microbatches through all S*v stages nearly alone: with M = S+1 a bubble above
+    1f1b's (S=8 v=2: 0.35 against 0.29), merged 0.17, for one more microbatch in flight."""
     groups = [list(range(g, min(g + S, M))) for g in range(0, M, S)]
+    if len(groups) > 1 and len(groups[-1]) < S:
+        return [groups, groups[:-2] + [groups[-2] + groups[-1]]]
+    return [groups]
+
+
+def _interleaved_orders(S: int, v: int, extra: int, groups: list) -> list:
     orders = []
     for d in range(S):
         fw = [(TaskType.F, c * S + d, m) for grp in groups for c in range(v) for m in grp]
@@ -80,14 +90,23 @@ def interleaved(num_stages: int, num_microbatches: int, virtual_stages: int = 2)
     stage_device = [k % S for k in range(S * v)]
     best = None
     # The smallest extra warm-up whose table has the least bubble (more warm-up only
-    # costs memory once the lock step no longer stalls).
-    for extra in range(0, S + 1):
-        try:
-            s = place_tasks("interleaved", S, M, stage_device, _interleaved_orders(S, M, v, extra))
-        except ScheduleDeadlock:
-            continue
-        if best is None or s.bubble_fraction() < best.bubble_fraction() - 1e-9:
-            best = s
+    # costs memory once the lock step no longer stalls): extra 0..S, or when all of those
+    # deadlock (S=8, M=21, v=3 needs 33: the builder returned None) the S + 1 smallest
+    # that place; with every forward in the warm-up (extra = v*M) the order is
+    # GPipe's, which always places.
+    for groups in _interleaved_groups(S, M):
+        placed = 0
+        for extra in range(0, v * M + 1):
+            try:
+                s = place_tasks("interleaved", S, M, stage_device,
+                                _interleaved_orders(S, v, extra, groups))
+            except ScheduleDeadlock:
+                continue
+            if best is None or s.bubble_fraction() < best.bubble_fraction() - 1e-9:
+                best = s
+            placed += 1
+            if placed > S or extra >= S:
+                break
     return best
 
 
