@@ -124,6 +124,31 @@ def test_interleaved_with_a_short_last_group_beats_1f1b(S, M):
     assert s.in_flight().max() <= 3 * S
 
 
+def test_a_plan_for_a_users_schedule_reports_and_round_trips():
+    # The plan kept only the schedule's name and rebuilt the table from it: summary,
+    # predicted_step_time and plot raised "unknown schedule 'v3-odd'".
+    from jaxhybrid import plan as planner
+    from jaxhybrid.plan.costs import LayerCost
+    costs = [LayerCost(f"l{i}", 2, 1e9, 2e9, 1e7, 2e7, 4000, 1000, 4096, 4096, 4096, 4096,
+                       1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3)) for i in range(8)]
+    s = _v3_round_robin()
+    p = planner.make_plan(costs, num_stages=2, num_microbatches=3, schedule=s)
+    assert p.schedule_table() is s and "schedule v3-odd" in p.summary()
+    assert p.bubble_fraction == pytest.approx(s.bubble_fraction(*p._tick_costs()))
+    back = planner.Plan.from_json(p.to_json())
+    with pytest.raises(ValueError, match="user's Schedule, which to_json does not store"):
+        back.summary()
+    back.table = s
+    assert back.summary() == p.summary()
+
+
+def test_virtual_stages_beside_a_schedule_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="is a Schedule, whose stage_device") as e:
+        jp.Pipeline(mm.make_layers(4), mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=3,
+                    schedule=_v3_round_robin(), virtual_stages=3)
+    assert len(str(e.value)) < 200   # it printed every task
+
+
 # --- odd but valid tables -------------------------------------------------------------------
 def _split_reversed():
     """Split backward on reversed devices (stage 0 on device 1): stage 1 runs F, B and W

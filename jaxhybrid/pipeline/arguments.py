@@ -37,6 +37,10 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
                       num_layers: int) -> Schedule:
     """The schedule built by name (or a user's own), checked against the other options."""
     options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
+    if options and isinstance(schedule, Schedule):   # (the message printed all its tasks)
+        raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved'; "
+                         f"schedule {schedule.name!r} is a Schedule, whose stage_device "
+                         f"already places its stages: drop virtual_stages.")
     if options and schedule != "interleaved":
         raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
                          f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
