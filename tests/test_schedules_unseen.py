@@ -149,6 +149,21 @@ def test_virtual_stages_beside_a_schedule_is_refused_in_one_line():
     assert len(str(e.value)) < 200   # it printed every task
 
 
+def test_forwards_out_of_microbatch_order_are_refused_for_a_model_with_state():
+    # F2 before F0 and F1 on every stage: loss and gradients matched, but BatchNorm's
+    # running statistics were updated in that order (7e-2 off the reference's).
+    orders = [[(F, d, m) for m in (2, 0, 1)] + [(B, d, m) for m in (1, 2, 0)] for d in range(2)]
+    s = place_tasks("perm-mb", 2, 3, range(2), orders)
+    assert s.forward_order_break() == (0, 2) and make_schedule("zbv", 2, 3).forward_order_break() is None
+    pipe = jp.Pipeline(mm.make_layers(0), mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=3,
+                       schedule=s)
+    inputs, labels = mm.make_batch(6)
+    variables = pipe.init(jax.random.key(0), inputs)
+    with pytest.raises(ValueError, match=r"runs F2 of stage 0 before F1, but the model's "
+                                         r"batch_stats update .* in order"):
+        pipe.value_and_grad(mm.loss_fn)(variables, inputs, labels, RNG)
+
+
 # --- odd but valid tables -------------------------------------------------------------------
 def _split_reversed():
     """Split backward on reversed devices (stage 0 on device 1): stage 1 runs F, B and W

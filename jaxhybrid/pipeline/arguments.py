@@ -63,6 +63,19 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
     return sched
 
 
+def check_state_order(sched: Schedule, collections, train: bool) -> None:
+    """Mutable state updates microbatch by microbatch, in order (the reference's
+    semantics): a table whose forwards of a stage ran out of that order returned other
+    batch statistics, silently (loss and gradients were right)."""
+    broken = sched.forward_order_break() if train and collections else None
+    if broken:
+        k, m = broken
+        raise ValueError(f"Pipeline: schedule {sched.name!r} runs F{m} of stage {k} before "
+                         f"F{m - 1}, but the model's {', '.join(collections)} update "
+                         f"microbatch by microbatch in order; run each stage's forwards in "
+                         f"microbatch order (or train a model without mutable state).")
+
+
 def check_plan_inputs(memory_budget, topology) -> None:
     """Reads memory_budget and a topology spec now: the planner read them only in `init`,
     after profiling (compiling) every layer."""

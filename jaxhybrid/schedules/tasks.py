@@ -176,6 +176,16 @@ class Schedule:
         """Per stage, the most microbatches whose residuals it holds at once."""
         return self._peak_live("stage")
 
+    def forward_order_break(self) -> tuple | None:
+        """(stage, microbatch) of the first forward that runs before the forward of the
+        microbatch before it on the same stage, or None. Such a stage updates mutable
+        state (batch statistics) out of microbatch order: other numbers than the
+        reference's (the pipeline refuses it for a model with state)."""
+        when = {(t.stage, t.microbatch): t.tick for t in self.tasks if t.kind == TaskType.F}
+        return next(((k, m) for k in range(self.num_stages)
+                     for m in range(1, self.num_microbatches)
+                     if when[(k, m)] < when[(k, m - 1)]), None)
+
     @functools.cached_property
     def _rings(self):
         K, dev = self.num_stages, self.stage_device
