@@ -258,8 +258,7 @@ class Schedule:
         if self.forward_only and any(k != TaskType.F for k, _, _ in when):
             raise err("a forward_only schedule runs F tasks only; drop its B / W / U "
                       "tasks or set forward_only=False")
-        if self.weights == "sync":
-            self._validate_sync_updates(err)
+        self._validate_updates(err)
         for kind in kinds:
             for k in range(K):
                 for m in range(M):
@@ -304,11 +303,26 @@ class Schedule:
                 raise err(f"{t!r}: tick, device, stage and microbatch must be ints, with "
                           f"tick >= 0 and device in 0..{D - 1}")
 
-    def _validate_sync_updates(self, err) -> None:
+    def _validate_updates(self, err) -> None:
         """A synchronous schedule's U tasks: none (`with_updates` adds them), or one per
         device naming no microbatch (the step's update waits for every backward; with U
-        on some devices only, the others silently kept their old parameters)."""
+        on some devices only, the others silently kept their old parameters). An
+        asynchronous one's: the same gradient windows on every device, the last closed
+        by microbatch M-1 (else a device skipped updates, or the tail's gradient was
+        never applied, silently)."""
         updates = [t for t in self.tasks if t.kind == TaskType.U]
+        if self.weights != "sync":
+            ends = [sorted(t.microbatch for t in updates if t.device == d)
+                    for d in range(self.num_devices)]
+            last = self.num_microbatches - 1
+            bad = next((d for d, e in enumerate(ends)
+                        if e != ends[0] or not e or e[-1] != last), None)
+            show = lambda e: f"{e[:8]}"[:-1] + (", ...]" if len(e) > 8 else "]")
+            if bad is not None:
+                raise err(f"weights={self.weights!r}: every device needs U tasks closing the "
+                          f"same gradient windows, the last at microbatch {last} (device "
+                          f"{bad}'s close {show(ends[bad])}, device 0's {show(ends[0])})")
+            return
         if not updates:
             return
         if any(t.microbatch != IDLE for t in updates):
