@@ -152,8 +152,17 @@ def forward_schedule(sched: Schedule) -> Schedule:
 
 @functools.lru_cache(maxsize=256)
 def _cached(name: str, num_stages: int, num_microbatches: int, options: tuple) -> Schedule:
-    return dataclasses.replace(SCHEDULES[name](num_stages, num_microbatches, **dict(options)),
-                               options=options)
+    sched = SCHEDULES[name](num_stages, num_microbatches, **dict(options))
+    # A registered builder may build its tasks by hand (docs/pipeline.md): what it returns
+    # is checked like a user's Schedule (an invalid table ran, silently).
+    if not isinstance(sched, Schedule) or (sched.num_devices, sched.num_microbatches) != \
+            (num_stages, num_microbatches):
+        what = (f"{sched.num_devices} devices x {sched.num_microbatches} microbatches"
+                if isinstance(sched, Schedule) else type(sched).__name__)
+        raise ValueError(f"schedule builder {name!r} returned {what} for {num_stages} x "
+                         f"{num_microbatches}; it must return a Schedule of that size.")
+    sched.validate()
+    return dataclasses.replace(sched, options=options)
 
 
 def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
