@@ -60,6 +60,42 @@ def test_broken_tables_are_refused_in_one_line(rows, kw, msg):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("drop", [
+    lambda t: t.device == 1,                          # device 1 never updated
+    lambda t: t.device == 1 and t.microbatch == 1,    # windows differ between devices
+    lambda t: t.microbatch == 3,                      # the tail's gradient never applied
+])
+def test_asynchronous_tables_need_the_same_closed_windows_on_every_device(drop):
+    # Each validated; train_step without the tail U moved the parameters 0.09 away.
+    s = make_schedule("pipedream", 2, 4)
+    broken = dataclasses.replace(s, tasks=tuple(t for t in s.tasks
+                                                if not (t.kind == U and drop(t))))
+    with pytest.raises(ValueError, match="every device needs U tasks closing the same "
+                                         "gradient windows, the last at microbatch 3"):
+        broken.validate()
+
+
+def test_a_registered_builder_is_checked_like_a_users_table():
+    # docs/pipeline.md: a builder may build its tasks by hand; what it returned was never
+    # validated (a negative tick ran), nor its size (M + 1 microbatches ran as M).
+    from jaxhybrid.schedules import SCHEDULES, register_schedule
+    builders = {
+        "probe-bad-tick": (lambda S, M: Schedule("probe-bad-tick", S, M, tuple(range(S)),
+                                                 (Task(-1, 0, F, 0, 0),)), "tick >= 0"),
+        "probe-wrong-size": (lambda S, M: make_schedule("1f1b", S, M + 1),
+                             "returned 2 devices x 3 microbatches for 2 x 2"),
+        "probe-none": (lambda S, M: None, "returned NoneType"),
+    }
+    try:
+        for name, (fn, msg) in builders.items():
+            register_schedule(name)(fn)
+            with pytest.raises(ValueError, match=msg):
+                make_schedule(name, 2, 2)
+    finally:
+        for name in builders:
+            SCHEDULES.pop(name, None)
+
+
 def test_a_table_of_plain_tuples_is_refused():
     with pytest.raises(ValueError, match="must be a Task"):
         Schedule("mine", 2, 2, (0, 1), tuple(GOOD)).validate()
