@@ -307,7 +307,7 @@ class Pipeline(PipelineVariables):
             raise ValueError(f"Pipeline: inputs have batch {batch_size_of(inputs, 'inputs')}, "
                              f"targets {batch_size_of(targets, 'targets')}; pass one target "
                              f"row per input example.")
-        check_state_order(self.schedule, self.state_collections, train)
+        check_state_order(self.schedule, self._layer_vars, self.ranges, train)
         eng = self.engine()
         if self.num_stages == 1 and optimizer is None:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)

@@ -63,17 +63,20 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
     return sched
 
 
-def check_state_order(sched: Schedule, collections, train: bool) -> None:
+def check_state_order(sched: Schedule, layer_vars, ranges, train: bool) -> None:
     """Mutable state updates microbatch by microbatch, in order (the reference's
-    semantics): a table whose forwards of a stage ran out of that order returned other
-    batch statistics, silently (loss and gradients were right)."""
-    broken = sched.forward_order_break() if train and collections else None
+    semantics): a table whose forwards of a stage with state ran out of that order
+    returned other batch statistics, silently (loss and gradients were right).
+    layer_vars: per layer {collection: tree}; ranges: per stage its layers [a, b)."""
+    held = [sorted({c for i in range(a, b) for c in layer_vars[i] if c != "params"})
+            for a, b in ranges]
+    broken = sched.forward_order_break([k for k, h in enumerate(held) if h]) if train else None
     if broken:
         k, m = broken
         raise ValueError(f"Pipeline: schedule {sched.name!r} runs F{m} of stage {k} before "
-                         f"F{m - 1}, but the model's {', '.join(collections)} update "
-                         f"microbatch by microbatch in order; run each stage's forwards in "
-                         f"microbatch order (or train a model without mutable state).")
+                         f"F{m - 1}, but its {', '.join(held[k])} update microbatch by "
+                         f"microbatch in order; run that stage's forwards in microbatch "
+                         f"order (or train it without mutable state).")
 
 
 def check_plan_inputs(memory_budget, topology) -> None:

@@ -176,13 +176,13 @@ class Schedule:
         """Per stage, the most microbatches whose residuals it holds at once."""
         return self._peak_live("stage")
 
-    def forward_order_break(self) -> tuple | None:
-        """(stage, microbatch) of the first forward that runs before the forward of the
-        microbatch before it on the same stage, or None. Such a stage updates mutable
-        state (batch statistics) out of microbatch order: other numbers than the
-        reference's (the pipeline refuses it for a model with state)."""
+    def forward_order_break(self, stages=None) -> tuple | None:
+        """(stage, microbatch) of the first forward (of `stages`, default all) that runs
+        before the forward of the microbatch before it on the same stage, or None. Such
+        a stage updates mutable state (batch statistics) out of microbatch order: other
+        numbers than the reference's (the pipeline refuses it for a stage with state)."""
         when = {(t.stage, t.microbatch): t.tick for t in self.tasks if t.kind == TaskType.F}
-        return next(((k, m) for k in range(self.num_stages)
+        return next(((k, m) for k in (range(self.num_stages) if stages is None else stages)
                      for m in range(1, self.num_microbatches)
                      if when[(k, m)] < when[(k, m - 1)]), None)
 
