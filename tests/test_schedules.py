@@ -101,7 +101,7 @@ def test_validate_catches_every_broken_dependency():
         "repeated": lambda ts: ts + [dataclasses.replace(ts[0], tick=ts[0].tick + 50)],
         "lives on": lambda ts: [dataclasses.replace(t, device=0) if t.stage == 2 and
                                 t.kind == TaskType.F and t.microbatch == 0 else t for t in ts],
-        "before its gradient": lambda ts: [dataclasses.replace(t, tick=t.tick - 5)
+        "before its gradient": lambda ts: [dataclasses.replace(t, tick=t.tick - 1)
                                            if t.kind == TaskType.B and t.stage == 0 and
                                            t.microbatch == 0 else t for t in ts],
     }

@@ -19,8 +19,8 @@ from jaxhybrid import tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
                                 tables, zero)
-from jaxhybrid.pipeline.arguments import (batch_size_of, check_plan_inputs, checked_mesh,
-                                         checked_schedule, checked_zero, rng_hint)
+from jaxhybrid.pipeline.arguments import (batch_size_of, check_plan_inputs, check_state_order,
+                                         checked_mesh, checked_schedule, checked_zero, rng_hint)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
@@ -307,6 +307,7 @@ class Pipeline(PipelineVariables):
             raise ValueError(f"Pipeline: inputs have batch {batch_size_of(inputs, 'inputs')}, "
                              f"targets {batch_size_of(targets, 'targets')}; pass one target "
                              f"row per input example.")
+        check_state_order(self.schedule, self._layer_vars, self.ranges, train)
         eng = self.engine()
         if self.num_stages == 1 and optimizer is None:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)

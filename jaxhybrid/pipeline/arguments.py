@@ -37,10 +37,18 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
                       num_layers: int) -> Schedule:
     """The schedule built by name (or a user's own), checked against the other options."""
     options = {} if virtual_stages is None else {"virtual_stages": virtual_stages}
+    if options and isinstance(schedule, Schedule):   # (the message printed all its tasks)
+        raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved'; "
+                         f"schedule {schedule.name!r} is a Schedule, whose stage_device "
+                         f"already places its stages: drop virtual_stages.")
     if options and schedule != "interleaved":
         raise ValueError(f"Pipeline: virtual_stages is an option of schedule='interleaved' "
                          f"(got schedule={schedule!r}); drop it or use 'interleaved'.")
     sched = make_schedule(schedule, pipe, M, **options)
+    if sched.forward_only:   # its value_and_grad returned zero gradients
+        raise ValueError(f"Pipeline: schedule {sched.name!r} is forward_only (no backward "
+                         f"tasks); pass a training schedule (apply derives its forward "
+                         f"table from it).")
     if zero and sched.weights != "sync":
         raise ValueError(f"Pipeline: zero=1 shards a synchronous step's optimizer state; "
                          f"schedule {sched.name!r} updates per gradient window "
@@ -53,6 +61,22 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
                          f"{' or fewer virtual stages' if v > 1 else ''}, "
                          f"or split the model into more layers.")
     return sched
+
+
+def check_state_order(sched: Schedule, layer_vars, ranges, train: bool) -> None:
+    """Mutable state updates microbatch by microbatch, in order (the reference's
+    semantics): a table whose forwards of a stage with state ran out of that order
+    returned other batch statistics, silently (loss and gradients were right).
+    layer_vars: per layer {collection: tree}; ranges: per stage its layers [a, b)."""
+    held = [sorted({c for i in range(a, b) for c in layer_vars[i] if c != "params"})
+            for a, b in ranges]
+    broken = sched.forward_order_break([k for k, h in enumerate(held) if h]) if train else None
+    if broken:
+        k, m = broken
+        raise ValueError(f"Pipeline: schedule {sched.name!r} runs F{m} of stage {k} before "
+                         f"F{m - 1}, but its {', '.join(held[k])} update microbatch by "
+                         f"microbatch in order; run that stage's forwards in microbatch "
+                         f"order (or train it without mutable state).")
 
 
 def check_plan_inputs(memory_budget, topology) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
 from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
-from jaxhybrid.schedules import make_schedule
+from jaxhybrid.schedules import SCHEDULES, make_schedule
 
 
 @dataclasses.dataclass
@@ -52,6 +52,9 @@ class Plan:
     device_memory: float | None = None          # bytes every device allocates (`spmd_memory`)
     virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
     schedule_options: dict | None = None        # the schedule builder's options
+    # The task table itself (a user's Schedule has no builder to rebuild it from its
+    # name: `schedule_table` raised "unknown schedule"); not written by `to_json`.
+    table: Any = dataclasses.field(default=None, repr=False, compare=False)
     # The engine's costs on the hardware planned for (`make_plan(hardware=...)`, e.g. the
     # stored calibration of this device kind): seconds per device per tick, and how many
     # devices compute at once (None: all).
@@ -102,6 +105,11 @@ class Plan:
         return np.array(self.stage_fwd_time), np.array(self.stage_bwd_time)
 
     def schedule_table(self):
+        if self.table is not None:
+            return self.table
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan: schedule {self.schedule!r} is a user's Schedule, which "
+                             f"to_json does not store; set plan.table = that Schedule.")
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
                              self.num_microbatches, **(self.schedule_options or {}))
 
@@ -165,7 +173,8 @@ class Plan:
         return self.summary()
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if f.name != "table"})
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
@@ -346,7 +355,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 stage_bwd_time=bwd.tolist(), microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
                 device_memory=device_mem, virtual_stages=v,
-                schedule_options=dict(sched.options), compute_slots=slots,
+                schedule_options=dict(sched.options), table=sched, compute_slots=slots,
                 transfer_per_tick=per_tick, **engine)
 
 

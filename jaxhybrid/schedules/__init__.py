@@ -30,7 +30,8 @@ num_microbatches, **options)`, where `num_stages` is the pipeline depth in devic
                forwards, so in lock step a steady tick runs one F and one B on every
                device; in flight <= 2S-1, independent of M.
   interleaved  Megatron's interleaved 1F1B (`virtual_stages=v`, default 2): forwards
-               in groups of S microbatches per chunk, 1F1B steady state; the warm-up
+               in groups of S microbatches per chunk (a short last group merged into
+               the one before when that has less bubble), 1F1B steady state; the warm-up
                per device is the smallest that does not stall the lock step.
   zb-h1        zero bubble (Qi et al. 2024): backward split into B and W, one task per
                tick; B first, then F, and W fills what would be bubble; stashed

@@ -248,8 +248,9 @@ def weight_columns(sched: Schedule, stash_slot: dict, stash_size: int) -> tuple[
 
 def synchronous_view(sched: Schedule) -> Schedule:
     """The same table without its U tasks: gradients of one set of weights (what
-    `value_and_grad` computes for an asynchronous schedule)."""
-    if not is_asynchronous(sched):
+    `value_and_grad` computes; a user's synchronous table may carry U tasks too, which
+    without an optimizer have nothing to run)."""
+    if not is_asynchronous(sched) and not any(t.kind == TaskType.U for t in sched.tasks):
         return sched
     return dataclasses.replace(sched, tasks=tuple(t for t in sched.tasks if t.kind != TaskType.U),
                                weights="sync")

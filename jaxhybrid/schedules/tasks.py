@@ -8,6 +8,8 @@ import functools
 
 import numpy as np
 
+from jaxhybrid.checks import is_int
+
 IDLE = -1
 
 
@@ -31,8 +33,14 @@ class Task:
         return f"{self.kind.name}{m}" + (f"s{self.stage}" if self.stage >= 0 else "")
 
 
-def _broadcast(cost, n: int) -> np.ndarray:
-    return np.broadcast_to(np.asarray(cost, float), (n,)).copy()
+def _broadcast(cost, n: int, what: str) -> np.ndarray:
+    """A per-stage cost: a scalar or one per stage, finite and >= 0 (a negative one made
+    `bubble_fraction` a number in (0, 1) that meant nothing)."""
+    c = np.asarray(cost, float)
+    if c.ndim > 1 or c.size not in (1, n) or not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError(f"{what}={cost!r} must be a finite cost >= 0, a scalar or one "
+                         f"per stage ({n} stages).")
+    return np.broadcast_to(c.reshape(-1) if c.ndim else c, (n,)).copy()
 
 
 # Which weights a task sees (`Schedule.weights`): one version per step, or an
@@ -57,6 +65,13 @@ class Schedule:
     # policy of `jaxhybrid.schedules.asynchronous` (U tasks then name the last microbatch
     # of the gradient window they apply).
     weights: str = "sync"
+
+    def __post_init__(self):
+        # Lists work as well (a user's table): tuples keep the schedule hashable, which
+        # the pipeline's caches need ("unhashable type: 'list'" deep inside otherwise).
+        for field in ("stage_device", "tasks"):
+            if isinstance(getattr(self, field), list):
+                object.__setattr__(self, field, tuple(getattr(self, field)))
 
     @property
     def num_stages(self) -> int:
@@ -108,10 +123,13 @@ class Schedule:
         """{kind: per-stage cost}. bwd_cost is the full backward; a split schedule's B and
         W cost bwd_cost - weight_cost and weight_cost (default: half each)."""
         K = self.num_stages
-        f, b = _broadcast(fwd_cost, K), _broadcast(bwd_cost, K)
-        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K)
+        f, b = _broadcast(fwd_cost, K, "fwd_cost"), _broadcast(bwd_cost, K, "bwd_cost")
+        w = b / 2 if weight_cost is None else _broadcast(weight_cost, K, "weight_cost")
+        if self.split_backward and np.any(w > b):   # B would cost bwd - weight < 0
+            raise ValueError(f"weight_cost={weight_cost!r} exceeds bwd_cost={bwd_cost!r}: "
+                             f"bwd_cost is the full backward, B + W; give weight_cost <= it.")
         return {TaskType.F: f, TaskType.B: b - w if self.split_backward else b,
-                TaskType.W: w, TaskType.U: _broadcast(update_cost, K)}
+                TaskType.W: w, TaskType.U: _broadcast(update_cost, K, "update_cost")}
 
     def work(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None, update_cost=0.0) -> np.ndarray:
         """[ticks, devices] busy time of each device in each tick, from per-stage costs
@@ -131,7 +149,10 @@ class Schedule:
         """Fraction of device time idle when the table runs in lock step with the given
         per-stage costs (defaults: F = 1, B = 2, and B = W = 1 when split)."""
         work = self.work(fwd_cost, bwd_cost, weight_cost)
-        return float(1.0 - work.sum() / (work.max(axis=1).sum() * self.num_devices))
+        span = work.max(axis=1).sum()
+        if span == 0:   # 0 / 0: nan, with a RuntimeWarning
+            raise ValueError("bubble_fraction: every task costs 0; give some cost > 0.")
+        return float(1.0 - work.sum() / (span * self.num_devices))
 
     def _peak_live(self, by: str) -> np.ndarray:
         """Most microbatches with stashed residuals at once, per device or per stage:
@@ -154,6 +175,16 @@ class Schedule:
     def stage_in_flight(self) -> np.ndarray:
         """Per stage, the most microbatches whose residuals it holds at once."""
         return self._peak_live("stage")
+
+    def forward_order_break(self, stages=None) -> tuple | None:
+        """(stage, microbatch) of the first forward (of `stages`, default all) that runs
+        before the forward of the microbatch before it on the same stage, or None. Such
+        a stage updates mutable state (batch statistics) out of microbatch order: other
+        numbers than the reference's (the pipeline refuses it for a stage with state)."""
+        when = {(t.stage, t.microbatch): t.tick for t in self.tasks if t.kind == TaskType.F}
+        return next(((k, m) for k in (range(self.num_stages) if stages is None else stages)
+                     for m in range(1, self.num_microbatches)
+                     if when[(k, m)] < when[(k, m - 1)]), None)
 
     @functools.cached_property
     def _rings(self):
@@ -191,6 +222,7 @@ class Schedule:
         and tick, in an order the lock-step data movement allows."""
         K, M, D = self.num_stages, self.num_microbatches, self.num_devices
         err = lambda msg: ValueError(f"schedule {self.name}: {msg}")
+        self._validate_fields(err)
         if self.weights not in WEIGHT_POLICIES:   # else the engine ran it as naive async
             raise err(f"weights={self.weights!r} must be one of {', '.join(WEIGHT_POLICIES)}")
         if self.weights != "sync" and (self.split_backward or K != D):
@@ -202,20 +234,31 @@ class Schedule:
         when: dict = {}
         slots = set()
         for t in self.tasks:
-            if not (0 <= t.stage < K) or t.device != self.stage_device[t.stage]:
+            if not 0 <= t.stage < K:
+                raise err(f"{t.kind.name}{t.microbatch} names stage {t.stage}; stages are "
+                          f"0..{K - 1} (one per entry of stage_device)")
+            if t.device != self.stage_device[t.stage]:
                 raise err(f"{t} runs on device {t.device}, its stage lives on "
-                          f"{self.stage_device[t.stage] if 0 <= t.stage < K else '?'}")
+                          f"{self.stage_device[t.stage]}; put it on that device or change "
+                          f"stage_device")
             if (t.tick, t.device, t.kind) in slots:
                 raise err(f"two {t.kind.name} tasks on device {t.device} in tick {t.tick}")
             slots.add((t.tick, t.device, t.kind))
             key = (t.kind, t.stage, t.microbatch)
-            if key in when or (t.kind != TaskType.U and not 0 <= t.microbatch < M):
-                raise err(f"{t} is repeated or its microbatch is out of range")
+            if t.kind != TaskType.U and not 0 <= t.microbatch < M:
+                raise err(f"{t} names microbatch {t.microbatch}; the schedule has "
+                          f"num_microbatches={M} (0..{M - 1})")
+            if key in when:
+                raise err(f"{t} is repeated (ticks {when[key]} and {t.tick}); keep one")
             when[key] = t.tick
         kinds = (TaskType.F,) if self.forward_only else \
             (TaskType.F, TaskType.B) + ((TaskType.W,) if self.split_backward else ())
         if not self.split_backward and any(k == TaskType.W for k, _, _ in when):
             raise err("W tasks need split_backward=True")
+        if self.forward_only and any(k != TaskType.F for k, _, _ in when):
+            raise err("a forward_only schedule runs F tasks only; drop its B / W / U "
+                      "tasks or set forward_only=False")
+        self._validate_updates(err)
         for kind in kinds:
             for k in range(K):
                 for m in range(M):
@@ -239,6 +282,57 @@ class Schedule:
                 upto = range(M) if m == IDLE else (m,)
                 if any(when[(last, j, i)] > t for j in mine for i in upto):
                     raise err(f"U of device {d} at tick {t} before its last backward")
+
+    def _validate_fields(self, err) -> None:
+        """Types and ranges of the fields (a negative or fractional tick indexed the
+        runtime's table from its end, silently)."""
+        D, M = self.num_devices, self.num_microbatches
+        if not is_int(D) or D < 1 or not is_int(M) or M < 1:
+            raise err(f"num_devices={D!r} and num_microbatches={M!r} must be ints >= 1")
+        if not all(is_int(d) and 0 <= d < D for d in self.stage_device):
+            raise err(f"stage_device {tuple(self.stage_device)} must hold device indices "
+                      f"0..{D - 1}")
+        if not self.tasks:
+            raise err("has no tasks")
+        for t in self.tasks:
+            if not isinstance(t, Task) or not isinstance(t.kind, TaskType):
+                raise err(f"task {t!r} must be a Task(tick, device, TaskType, stage, "
+                          f"microbatch)")
+            if not all(is_int(x) for x in (t.tick, t.device, t.stage, t.microbatch)) or \
+                    t.tick < 0 or not 0 <= t.device < D:
+                raise err(f"{t!r}: tick, device, stage and microbatch must be ints, with "
+                          f"tick >= 0 and device in 0..{D - 1}")
+
+    def _validate_updates(self, err) -> None:
+        """A synchronous schedule's U tasks: none (`with_updates` adds them), or one per
+        device naming no microbatch (the step's update waits for every backward; with U
+        on some devices only, the others silently kept their old parameters). An
+        asynchronous one's: the same gradient windows on every device, the last closed
+        by microbatch M-1 (else a device skipped updates, or the tail's gradient was
+        never applied, silently)."""
+        updates = [t for t in self.tasks if t.kind == TaskType.U]
+        if self.weights != "sync":
+            ends = [sorted(t.microbatch for t in updates if t.device == d)
+                    for d in range(self.num_devices)]
+            last = self.num_microbatches - 1
+            bad = next((d for d, e in enumerate(ends)
+                        if e != ends[0] or not e or e[-1] != last), None)
+            show = lambda e: f"{e[:8]}"[:-1] + (", ...]" if len(e) > 8 else "]")
+            if bad is not None:
+                raise err(f"weights={self.weights!r}: every device needs U tasks closing the "
+                          f"same gradient windows, the last at microbatch {last} (device "
+                          f"{bad}'s close {show(ends[bad])}, device 0's {show(ends[0])})")
+            return
+        if not updates:
+            return
+        if any(t.microbatch != IDLE for t in updates):
+            raise err(f"a synchronous schedule's U tasks update once per step after every "
+                      f"backward: give them microbatch={IDLE} (IDLE), or leave U out and "
+                      f"let Schedule.with_updates place them")
+        missing = sorted(set(range(self.num_devices)) - {t.device for t in updates})
+        if missing or len(updates) != self.num_devices:
+            raise err(f"a synchronous schedule needs one U task per device or none "
+                      f"(devices without one: {missing}; with_updates places them)")
 
     # --- pictures --------------------------------------------------------------------
     def chart(self) -> str:
