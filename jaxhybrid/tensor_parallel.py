@@ -41,6 +41,7 @@ from jax import lax
 MODEL = "model"
 
 _DEGREE: contextvars.ContextVar = contextvars.ContextVar("jaxhybrid_tp", default=(1, False))
+_ASKED: contextvars.ContextVar = contextvars.ContextVar("jaxhybrid_tp_asked", default=None)
 
 
 @contextlib.contextmanager
@@ -56,7 +57,23 @@ def degree(size: int) -> Iterator[None]:
 
 def size() -> int:
     """The model degree T of the layers being traced (1 outside a tensor-parallel run)."""
+    asked = _ASKED.get()
+    if asked is not None:
+        asked.append(True)
     return _DEGREE.get()[0]
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[list]:
+    """`with watch() as asked:` — `asked` is non-empty after the block if a layer traced
+    inside asked for the model degree (`size`, `local`): it is written for tensor
+    parallelism, whatever logical names its parameters carry."""
+    asked: list = []
+    token = _ASKED.set(asked)
+    try:
+        yield asked
+    finally:
+        _ASKED.reset(token)
 
 
 def local(n: int, what: str) -> int:

@@ -71,7 +71,7 @@ class PipelineVariables:
     def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
         if self._split_dims is None:
             self._split_dims = [None] * len(self.layers)
-        self._split_dims[i] = model_shards.split_dims(layer, x)
+        self._split_dims[i] = {"params": {}, **model_shards.split_dims(layer, x)}
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""

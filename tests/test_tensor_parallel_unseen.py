@@ -1,0 +1,144 @@
+"""Tensor parallelism ("model") and ZeRO ("data") on layers nobody here wrote: a
+researcher's own Megatron-style layers built with `jaxhybrid.tensor_parallel`, with their
+own logical names (or none), a whole-built annotated sub-layer inside a split layer,
+batch statistics of split features, a gathered column-parallel head; exact against the
+single-device reference (loss, gradients, state, `apply`)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid import tensor_parallel as tp
+from jaxhybrid.layers import apply_layer
+from jaxhybrid.sharding import variable_split_dims
+
+LP = nn.with_logical_partitioning
+INIT = nn.initializers.lecun_normal()
+SMALL = nn.initializers.normal(0.1)
+RNG = jax.random.key(1)
+VOCAB, WIDTH, HIDDEN = 13, 8, 16
+
+
+class Embed(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Embed(VOCAB, WIDTH, embedding_init=LP(SMALL, ("vocab", "embed")))(ids)
+
+
+class GatedMLP(nn.Module):
+    """Megatron MLP (column- then row-parallel) plus a gate that is an ordinary Flax Dense
+    annotated "mlp" for GSPMD: built whole at every degree, so it must stay whole while
+    the MLP's own kernels split."""
+    @nn.compact
+    def __call__(self, x):
+        gate = nn.Dense(WIDTH, kernel_init=LP(INIT, ("embed", "mlp")), name="gate")(x)
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("embed", "mlp")),
+                     name="up")(tp.copy_to_model(x))
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h) @ down) + jnp.tanh(gate).mean(-1, keepdims=True)
+
+
+class OwnNamesMLP(nn.Module):
+    """Split with the researcher's own logical names ("d", "ffn"), and one kernel with no
+    names at all: what the layer builds at 1 / T says what is split."""
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("d", "ffn")),
+                     bias_init=LP(SMALL, ("ffn",)))(tp.copy_to_model(x))
+        down = self.param("down", INIT, (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h) @ down)
+
+
+class NormedMLP(nn.Module):
+    """BatchNorm on the split hidden features: its batch statistics are split too."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("embed", "mlp")))(
+            tp.copy_to_model(x))
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(h)
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.relu(h) @ down)
+
+
+class GatheredHead(nn.Module):
+    """Column-parallel classifier whose shards are gathered (16 columns, 13 used)."""
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(tp.local(16, "classes"))(tp.copy_to_model(x))
+        return tp.gather_from_model(y, -1)[..., :VOCAB]
+
+
+LAYERS = [Embed(), GatedMLP(), OwnNamesMLP(), NormedMLP(), GatheredHead()]
+
+
+def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def batch(n, seed):
+    r = np.random.RandomState(seed)
+    return (r.randint(0, VOCAB, (n, 6)).astype(np.int32),
+            r.randint(0, VOCAB, (n, 6)).astype(np.int32))
+
+
+def _per_layer():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1), boundaries=[], remat="none")
+    return pipe.unpack(pipe.init(jax.random.key(0), batch(2, 0)[0]))
+
+
+def _close(got, ref):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_researchers_own_tensor_parallel_layers_match_the_reference():
+    """(2, 2, 2), 1f1b: a split layer with a whole-built annotated gate inside, one with
+    its own names (and none), batch statistics of split features, a gathered head."""
+    data, M = 2, 2
+    inputs, targets = batch(data * M * 2, 7)
+    ref = _per_layer()
+    ref_loss, ref_grads, ref_vars = jp.reference_value_and_grad(
+        LAYERS, ref, loss_fn, inputs, targets, data=data, num_microbatches=M, rng=RNG)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=data, pipe=2, model=2),
+                       num_microbatches=M, schedule="1f1b", boundaries=[2], remat="none")
+    with pytest.warns(UserWarning, match=r"GatedMLP .* builds \['params'\]\['gate'\]\['kernel'\] whole"):
+        pipe.init(jax.random.key(0), inputs[:2])
+    shapes = pipe.layer_shapes   # one model shard's
+    assert shapes[1]["params"]["gate"]["kernel"].shape == (WIDTH, WIDTH)
+    assert shapes[1]["params"]["up"]["kernel"].shape == (WIDTH, HIDDEN // 2)
+    assert shapes[2]["params"]["down"].shape == (HIDDEN // 2, WIDTH)
+    assert shapes[3]["batch_stats"]["BatchNorm_0"]["mean"].shape == (HIDDEN // 2,)
+    variables = pipe.pack(ref)
+    loss, grads, new_vars = pipe.value_and_grad(loss_fn)(variables, inputs, targets, RNG)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v["params"] for v in pipe.unpack(grads)], ref_grads)
+    _close(pipe.unpack(new_vars), ref_vars)
+    _close(pipe.unpack(variables), ref)   # pack / unpack round trip
+
+    def sequential(x):
+        for layer, v in zip(LAYERS, ref):
+            x, _ = apply_layer(layer, v, x, train=False, rng=None)
+        return x
+    _close(pipe.apply(variables, inputs), sequential(inputs))
+
+
+def test_split_dims_follow_what_the_layer_builds():
+    x = jax.ShapeDtypeStruct((1, 6, WIDTH), jnp.float32)
+    _, dims = variable_split_dims(GatedMLP(), x)
+    assert dims["params"] == {"gate": {"kernel": -1, "bias": -1}, "up": {"kernel": 1, "bias": 0},
+                              "down": 0}
+    _, dims = variable_split_dims(NormedMLP(), x)
+    assert dims["batch_stats"] == {"BatchNorm_0": {"mean": 0, "var": 0}}
+
+    class Shrinks(nn.Module):   # a kernel that loses a row at degree > 1
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("k", INIT, (WIDTH - (tp.size() > 1), tp.local(HIDDEN, "hidden")))
+            return tp.reduce_from_model(x[..., :k.shape[0]] @ k).sum(-1, keepdims=True) + x
+    with pytest.raises(ValueError, match=r"Shrinks\['params'\]\['k'\] has shape \(8, 16\) at "
+                                         r"model degree 1 but \(7, 8\) at degree 2; split one"):
+        variable_split_dims(Shrinks(), x)
