@@ -86,17 +86,18 @@ def model_split_dims(boxed: Any) -> Any:
 
 
 def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
-                     boxed_params: Any = None) -> tuple[Any, Any]:
+                     boxed_params: Any = None, asks_degree: bool = False) -> tuple[Any, Any]:
     """(the layer's boxed abstract "params" from `init` on input x, or `boxed_params` when
     the caller traced them already; its tree of dims split over "model"): the "params"
     part of `variable_split_dims`."""
     boxed, dims = variable_split_dims(
-        layer, x, train=train, boxed=None if boxed_params is None else {"params": boxed_params})
+        layer, x, train=train, boxed=None if boxed_params is None else {"params": boxed_params},
+        asks_degree=asks_degree)
     return boxed.get("params", {}), dims.get("params", {})
 
 
 def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
-                        boxed: Any = None) -> tuple[Any, Any]:
+                        boxed: Any = None, asks_degree: bool = False) -> tuple[Any, Any]:
     """(the layer's boxed abstract variables from `init` on input x, or `boxed` when the
     caller traced them already; per collection, its tree of dims split over "model").
     What the layer builds decides, leaf by leaf: a leaf (a parameter, or state such as
@@ -105,8 +106,10 @@ def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
     whatever its logical names; a leaf built whole is kept whole and runs replicated in
     its model group, even if its names put a dimension on "model" (any Flax layer
     annotated with "mlp" or "heads" for GSPMD-style sharding: it would compute wrongly
-    on a slice). No FLOPs, nothing allocated."""
-    asked = []
+    on a slice). `asks_degree`: the caller saw the layer ask for the model degree
+    (`tensor_parallel.watch`) while tracing it, else `boxed` is traced anew under a watch.
+    No FLOPs, nothing allocated."""
+    asked = [True] if asks_degree else []
     if boxed is None:
         from jaxhybrid import tensor_parallel
         with tensor_parallel.watch() as asked:

@@ -142,3 +142,12 @@ def test_split_dims_follow_what_the_layer_builds():
     with pytest.raises(ValueError, match=r"Shrinks\['params'\]\['k'\] has shape \(8, 16\) at "
                                          r"model degree 1 but \(7, 8\) at degree 2; split one"):
         variable_split_dims(Shrinks(), x)
+
+
+def test_the_planner_prices_a_layer_split_under_its_own_names_split():
+    """The shapes-only profile (the planner's) sees OwnNamesMLP's kernels split as the
+    pipeline runs them, not whole because no name is "heads" or "mlp"."""
+    from jaxhybrid.plan import profile
+    costs = profile([Embed(), OwnNamesMLP()], batch(2, 0)[0])
+    assert costs[1].model_param_bytes == costs[1].param_bytes == 4 * (2 * WIDTH * HIDDEN + HIDDEN)
+    assert costs[1].model_flops_fraction == 1.0
