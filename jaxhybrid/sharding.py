@@ -130,14 +130,15 @@ def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
 
 def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any) -> Any:
     """Per leaf of `variables` (some of the layer's collections), the dimension `layer`
-    builds at 1 / t of its width when traced at model degree t (the smallest t > 1 the
-    layer accepts), -1 for a leaf built whole; `dims` (from the names) when no degree
+    builds at 1 / t of its width when traced at model degree t (the smallest divisor
+    t > 1 of its widths that the layer accepts), -1 for a leaf built whole; `dims` (from the names) when no degree
     fits, for `model_shards.shard` to name the divisors."""
     from jaxhybrid import tensor_parallel
     params = nn.meta.unbox(variables)
     full = jax.tree.leaves(params)
     name = type(layer).__name__
-    for t in range(2, max([2, *(max(a.shape, default=1) for a in full)]) + 1):
+    widths = {n for a in full for n in a.shape}   # a split width divides by t
+    for t in sorted({t for n in widths for t in range(2, n + 1) if n % t == 0}):
         try:
             with tensor_parallel.degree(t):
                 local = nn.meta.unbox(_abstract_init(layer, x, train))
