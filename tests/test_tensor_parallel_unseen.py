@@ -151,3 +151,12 @@ def test_the_planner_prices_a_layer_split_under_its_own_names_split():
     costs = profile([Embed(), OwnNamesMLP()], batch(2, 0)[0])
     assert costs[1].model_param_bytes == costs[1].param_bytes == 4 * (2 * WIDTH * HIDDEN + HIDDEN)
     assert costs[1].model_flops_fraction == 1.0
+
+
+def test_a_mesh_with_explicit_axes_is_refused_with_the_fix():
+    """jax.make_mesh's default (Explicit axes) used to fail at the first step, inside
+    shard_map, with a message about in_specs."""
+    for shape, names in (((2, 2, 2), ("data", "pipe", "model")), ((4, 2), ("data", "pipe"))):
+        with pytest.raises(ValueError, match=r"are not AxisType.Auto .* build the mesh with "
+                                             r"jaxhybrid.make_mesh"):
+            jp.Pipeline(LAYERS, mesh=jax.make_mesh(shape, names), boundaries=[2], remat="none")
