@@ -97,7 +97,8 @@ def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
 
 
 def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
-                        boxed: Any = None, asks_degree: bool = False) -> tuple[Any, Any]:
+                        boxed: Any = None, asks_degree: bool = False,
+                        at: tuple[int, Any] | None = None) -> tuple[Any, Any]:
     """(the layer's boxed abstract variables from `init` on input x, or `boxed` when the
     caller traced them already; per collection, its tree of dims split over "model").
     What the layer builds decides, leaf by leaf: a leaf (a parameter, or state such as
@@ -108,7 +109,9 @@ def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
     annotated with "mlp" or "heads" for GSPMD-style sharding: it would compute wrongly
     on a slice). `asks_degree`: the caller saw the layer ask for the model degree
     (`tensor_parallel.watch`) while tracing it, else `boxed` is traced anew under a watch.
-    No FLOPs, nothing allocated."""
+    `at`: (the degree T the pipeline runs, the layer's input at that degree: a layer
+    after a column-parallel one gets a split input and builds its kernel from it), else
+    the smallest degree the layer accepts, on x. No FLOPs, nothing allocated."""
     asked = [True] if asks_degree else []
     if boxed is None:
         from jaxhybrid import tensor_parallel
@@ -116,7 +119,7 @@ def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
             boxed = _abstract_init(layer, x, train)
     dims = model_split_dims(boxed)
     if asked or any(d >= 0 for d in jax.tree.leaves(dims)):
-        dims = _local_dims(layer, x, train, boxed, dims)
+        dims = _local_dims(layer, x, train, boxed, dims, at)
     return boxed, dims
 
 
@@ -128,21 +131,26 @@ def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
         lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs), jax.random.key(0), x)
 
 
-def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any) -> Any:
+def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any,
+                at: tuple[int, Any] | None) -> Any:
     """Per leaf of `variables` (some of the layer's collections), the dimension `layer`
-    builds at 1 / t of its width when traced at model degree t (the smallest divisor
-    t > 1 of its widths that the layer accepts), -1 for a leaf built whole; `dims` (from the names) when no degree
-    fits, for `model_shards.shard` to name the divisors."""
+    builds at 1 / t of its width when traced at model degree t (`at`'s on its input, else
+    the smallest divisor t > 1 of its widths that the layer accepts, on x), -1 for a leaf
+    built whole; `dims` (from the names) when no degree fits, for `model_shards.shard`
+    to name the divisors."""
     from jaxhybrid import tensor_parallel
     params = nn.meta.unbox(variables)
     full = jax.tree.leaves(params)
     name = type(layer).__name__
     widths = {n for a in full for n in a.shape}   # a split width divides by t
-    for t in sorted({t for n in widths for t in range(2, n + 1) if n % t == 0}):
+    degrees = sorted({t for n in widths for t in range(2, n + 1) if n % t == 0})
+    for t in degrees if at is None else [at[0]]:
         try:
             with tensor_parallel.degree(t):
-                local = nn.meta.unbox(_abstract_init(layer, x, train))
+                local = nn.meta.unbox(_abstract_init(layer, x if at is None else at[1], train))
         except ValueError:    # e.g. 3 heads at degree 2
+            if at is not None:
+                raise
             continue
         local = {c: local.get(c) for c in params}
         if jax.tree.structure(local) != jax.tree.structure(params):

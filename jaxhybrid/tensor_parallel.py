@@ -66,8 +66,9 @@ def size() -> int:
 @contextlib.contextmanager
 def watch() -> Iterator[list]:
     """`with watch() as asked:` — `asked` is non-empty after the block if a layer traced
-    inside asked for the model degree (`size`, `local`): it is written for tensor
-    parallelism, whatever logical names its parameters carry."""
+    inside asked for the model degree or joined the model group (`size`, `local`, the
+    collectives): it is written for tensor parallelism, whatever names its parameters
+    carry (a row-parallel layer may build its kernel from its split input alone)."""
     asked: list = []
     token = _ASKED.set(asked)
     try:
@@ -86,6 +87,9 @@ def local(n: int, what: str) -> int:
 
 
 def _active() -> bool:
+    asked = _ASKED.get()
+    if asked is not None:   # a layer that joins the model group is written for it
+        asked.append(True)
     return _DEGREE.get()[1]
 
 

@@ -160,3 +160,37 @@ def test_a_mesh_with_explicit_axes_is_refused_with_the_fix():
         with pytest.raises(ValueError, match=r"are not AxisType.Auto .* build the mesh with "
                                              r"jaxhybrid.make_mesh"):
             jp.Pipeline(LAYERS, mesh=jax.make_mesh(shape, names), boundaries=[2], remat="none")
+
+
+class ColumnParallel(nn.Module):
+    """Megatron's ColumnParallelLinear as a layer of its own: its output stays split."""
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(tp.local(HIDDEN, "hidden"))(tp.copy_to_model(x)))
+
+
+class RowParallel(nn.Module):
+    """Megatron's RowParallelLinear: its kernel is built from its (split) input's width."""
+    @nn.compact
+    def __call__(self, h):
+        kernel = self.param("kernel", INIT, (h.shape[-1], WIDTH))
+        return tp.reduce_from_model(h @ kernel) + self.param("bias", SMALL, (WIDTH,))
+
+
+def test_column_and_row_parallel_layers_split_across_a_stage_boundary():
+    """The split activation of ColumnParallel crosses the pipe boundary to RowParallel,
+    whose kernel rows split because its input does (no names, no `local` call)."""
+    layers = [Embed(), ColumnParallel(), RowParallel(), GatheredHead()]
+    pipe0 = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1), boundaries=[], remat="none")
+    inputs, targets = batch(8, 5)
+    ref = pipe0.unpack(pipe0.init(jax.random.key(0), inputs[:2]))
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad(layers, ref, loss_fn, inputs, targets,
+                                                         data=2, num_microbatches=2)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                       schedule="gpipe", boundaries=[2], remat="none")
+    pipe.init(jax.random.key(0), inputs[:2])
+    assert pipe.layer_shapes[2]["params"]["kernel"].shape == (HIDDEN // 2, WIDTH)
+    variables = pipe.pack(ref)
+    loss, grads, _ = pipe.value_and_grad(loss_fn)(variables, inputs, targets)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v["params"] for v in pipe.unpack(grads)], ref_grads)

@@ -21,13 +21,13 @@ from jaxhybrid.sharding import model_split_dims, variable_split_dims
 PyTree = Any
 
 
-def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
+def split_dims(layer: nn.Module, x: PyTree, model: int, x_local: PyTree) -> PyTree:
     """Per collection, the layer's tree of dims split over "model", from its abstract init
-    on input x (`sharding.variable_split_dims`: what the layer builds at 1 / T decides;
-    no FLOPs). Leaves whose names put a dim on "model" but that the layer builds whole
+    on input x (`sharding.variable_split_dims`: what the layer builds at degree `model`
+    on its input there, `x_local`, decides; no FLOPs). Leaves whose names put a dim on "model" but that the layer builds whole
     are kept whole, and the user is told once (they cost memory and compute on every
     model shard)."""
-    boxed, dims = variable_split_dims(layer, x)
+    boxed, dims = variable_split_dims(layer, x, at=(model, x_local))
     flat = jax.tree_util.tree_flatten_with_path(model_split_dims(boxed))[0]
     whole = [jax.tree_util.keystr(p) for (p, named), d in zip(flat, jax.tree.leaves(dims))
              if named >= 0 and d < 0]
