@@ -15,8 +15,10 @@ says *what* each dimension is, and the rules below say *where* it lives. On the
 
 With tensor parallelism (a "model" mesh axis, `make_mesh(model=T)`), the names in
 `TENSOR_PARALLEL_AXES` map to "model": the pipeline packs each stage's parameters per
-model shard, split along those dimensions, and the layers that own them compute on
-their shard with explicit collectives over "model" (`jaxhybrid.tensor_parallel`). Only
+model shard, split along the dimensions their layers build at 1 / T
+(`variable_split_dims`; what is built decides, the names only say what is meant), and
+the layers compute on their shard with explicit collectives over "model"
+(`jaxhybrid.tensor_parallel`). Only
 names whose layers are written for it are mapped: "heads" and "mlp" (GPT blocks,
 Megatron column/row-parallel). Others stay replicated over "model": "vocab" too, since
 common vocabularies (257, 50257) are odd; a layer without them (convolutions, LSTMs,

@@ -4,9 +4,9 @@
 Which parts of a layer are split over "model" is not listed per model: `profile` reads
 it from the layer itself (`model_terms`):
 
-* parameters: the leaves whose logical axis names the rules map to "model", in a layer
-  written for tensor parallelism (`sharding.layer_split_dims`: one that builds them
-  whole at degree T is kept whole) -> `model_param_bytes`;
+* parameters: the leaves the layer builds at 1 / t of one dimension at degree t
+  (`sharding.layer_split_dims`, on its degree-1 input; names alone split nothing) ->
+  `model_param_bytes`;
 * residuals, matmul FLOPs and collectives: the layer is traced once more, abstractly, at
   degree 2 (`tensor_parallel.degree(2)`, "model" bound by `make_jaxpr`; 3, 5 or 7 when
   its split dimensions are odd), which is how the pipeline runs it. With R replicated
