@@ -87,9 +87,14 @@ def local(n: int, what: str) -> int:
 
 
 def _active() -> bool:
+    """Whether the layer being traced joins a model group (and noted for `watch`)."""
     asked = _ASKED.get()
     if asked is not None:   # a layer that joins the model group is written for it
         asked.append(True)
+    return _bound()
+
+
+def _bound() -> bool:
     return _DEGREE.get()[1]
 
 
@@ -139,13 +144,13 @@ def gather_from_model(x, axis: int = -1):
 
 def make_jaxpr(fn, **kwargs):
     """jax.make_jaxpr with "model" bound to the current degree (outside a shard_map)."""
-    env = [(MODEL, size())] if _active() else []
+    env = [(MODEL, _DEGREE.get()[0])] if _bound() else []
     return jax.make_jaxpr(fn, axis_env=env, **kwargs)
 
 
 def eval_shape(fn, *args):
     """jax.eval_shape that also works on functions with "model" collectives."""
-    if not _active():
+    if not _bound():
         return jax.eval_shape(fn, *args)
     return make_jaxpr(fn, return_shape=True)(*args)[1]
 

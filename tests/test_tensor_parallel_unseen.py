@@ -194,3 +194,20 @@ def test_column_and_row_parallel_layers_split_across_a_stage_boundary():
     loss, grads, _ = pipe.value_and_grad(loss_fn)(variables, inputs, targets)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     _close([v["params"] for v in pipe.unpack(grads)], ref_grads)
+
+
+def test_a_plain_layer_fed_a_split_activation_is_refused():
+    """An ordinary Flax Dense (annotated "mlp" for GSPMD, no collective) right after
+    ColumnParallel would get half the features on each model shard; split along its
+    input it used to run on slices whose partial sums nobody added."""
+    class GspmdDense(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return nn.Dense(WIDTH, kernel_init=LP(INIT, ("mlp", "embed")))(h)
+
+    pipe = jp.Pipeline([Embed(), ColumnParallel(), GspmdDense(), GatheredHead()],
+                       mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    with pytest.raises(ValueError, match="GspmdDense gets an input split over 'model' .* "
+                                         "gather its input first"):
+        pipe.init(jax.random.key(0), batch(2, 0)[0])
