@@ -120,9 +120,14 @@ def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
         with tensor_parallel.watch() as asked:
             boxed = _abstract_init(layer, x, train)
     dims = model_split_dims(boxed)
-    if asked or any(d >= 0 for d in jax.tree.leaves(dims)):
+    split_input = at is not None and _avals(at[1]) != _avals(x)
+    if asked or split_input or any(d >= 0 for d in jax.tree.leaves(dims)):
         dims = _local_dims(layer, x, train, boxed, dims, at, bool(asked))
     return boxed, dims
+
+
+def _avals(tree: Any) -> list:
+    return [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(tree)]
 
 
 def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:

@@ -211,3 +211,8 @@ def test_a_plain_layer_fed_a_split_activation_is_refused():
     with pytest.raises(ValueError, match="GspmdDense gets an input split over 'model' .* "
                                          "gather its input first"):
         pipe.init(jax.random.key(0), batch(2, 0)[0])
+    plain = jp.Pipeline([Embed(), ColumnParallel(), nn.Dense(WIDTH), GatheredHead()],
+                        mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                        boundaries=[2], remat="none")   # no names at all: the same
+    with pytest.raises(ValueError, match="Dense gets an input split over 'model'"):
+        plain.init(jax.random.key(0), batch(2, 0)[0])
