@@ -15,8 +15,10 @@ says *what* each dimension is, and the rules below say *where* it lives. On the
 
 With tensor parallelism (a "model" mesh axis, `make_mesh(model=T)`), the names in
 `TENSOR_PARALLEL_AXES` map to "model": the pipeline packs each stage's parameters per
-model shard, split along those dimensions, and the layers that own them compute on
-their shard with explicit collectives over "model" (`jaxhybrid.tensor_parallel`). Only
+model shard, split along the dimensions their layers build at 1 / T
+(`variable_split_dims`; what is built decides, the names only say what is meant), and
+the layers compute on their shard with explicit collectives over "model"
+(`jaxhybrid.tensor_parallel`). Only
 names whose layers are written for it are mapped: "heads" and "mlp" (GPT blocks,
 Megatron column/row-parallel). Others stay replicated over "model": "vocab" too, since
 common vocabularies (257, 50257) are odd; a layer without them (convolutions, LSTMs,
@@ -25,7 +27,6 @@ the heterogeneous test model) runs replicated within its model group.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator
 
 import flax.linen as nn
@@ -87,23 +88,46 @@ def model_split_dims(boxed: Any) -> Any:
 
 
 def layer_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
-                     boxed_params: Any = None) -> tuple[Any, Any]:
+                     boxed_params: Any = None, asks_degree: bool = False) -> tuple[Any, Any]:
     """(the layer's boxed abstract "params" from `init` on input x, or `boxed_params` when
-    the caller traced them already; its tree of dims split over "model"). A layer splits
-    the dims its logical names put on "model" (`model_split_dims`) only if it is written
-    for tensor parallelism, i.e. builds them at 1 / T of their width at model degree T
-    (`jaxhybrid.tensor_parallel.local`); one that builds them whole (any Flax layer
-    annotated with "mlp" or "heads" for GSPMD-style sharding) is kept whole and runs
-    replicated in its model group, as it would compute wrongly on a slice. No FLOPs,
-    nothing allocated."""
-    params = boxed_params
-    if params is None:
-        params = _abstract_init(layer, x, train).get("params", {})
-    dims = model_split_dims(params)
-    if any(d >= 0 for d in jax.tree.leaves(dims)) and not _builds_local_shapes(
-            layer, x, train, params, dims):
-        dims = jax.tree.map(lambda d: -1, dims)
-    return params, dims
+    the caller traced them already; its tree of dims split over "model"): the "params"
+    part of `variable_split_dims`."""
+    boxed, dims = variable_split_dims(
+        layer, x, train=train, boxed=None if boxed_params is None else {"params": boxed_params},
+        asks_degree=asks_degree)
+    return boxed.get("params", {}), dims.get("params", {})
+
+
+def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
+                        boxed: Any = None, asks_degree: bool = False,
+                        at: tuple[int, Any] | None = None) -> tuple[Any, Any]:
+    """(the layer's boxed abstract variables from `init` on input x, or `boxed` when the
+    caller traced them already; per collection, its tree of dims split over "model").
+    What the layer builds decides, leaf by leaf: a leaf (a parameter, or state such as
+    the batch statistics of features split over "model") is split along the dimension
+    it builds at 1 / T of its width at model degree T (`jaxhybrid.tensor_parallel.local`),
+    whatever its logical names; a leaf built whole is kept whole and runs replicated in
+    its model group, even if its names put a dimension on "model" (any Flax layer
+    annotated with "mlp" or "heads" for GSPMD-style sharding: it would compute wrongly
+    on a slice). `asks_degree`: the caller saw the layer ask for the model degree
+    (`tensor_parallel.watch`) while tracing it, else `boxed` is traced anew under a watch.
+    `at`: (the degree T the pipeline runs, the layer's input at that degree: a layer
+    after a column-parallel one gets a split input and builds its kernel from it), else
+    the smallest degree the layer accepts, on x. No FLOPs, nothing allocated."""
+    asked = [True] if asks_degree else []
+    if boxed is None:
+        from jaxhybrid import tensor_parallel
+        with tensor_parallel.watch() as asked:
+            boxed = _abstract_init(layer, x, train)
+    dims = model_split_dims(boxed)
+    split_input = at is not None and _avals(at[1]) != _avals(x)
+    if asked or split_input or any(d >= 0 for d in jax.tree.leaves(dims)):
+        dims = _local_dims(layer, x, train, boxed, dims, at, bool(asked))
+    return boxed, dims
+
+
+def _avals(tree: Any) -> list:
+    return [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(tree)]
 
 
 def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
@@ -114,23 +138,58 @@ def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
         lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs), jax.random.key(0), x)
 
 
-def _builds_local_shapes(layer: nn.Module, x: Any, train: bool, params: Any, dims: Any) -> bool:
-    """Whether `layer` builds its "model"-split dims at 1 / T of their width when traced at
-    model degree T (the smallest T > 1 that divides them all and the layer accepts)."""
+def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any,
+                at: tuple[int, Any] | None, joins: bool = True) -> Any:
+    """Per leaf of `variables` (some of the layer's collections), the dimension `layer`
+    builds at 1 / t of its width when traced at model degree t (`at`'s on its input, else
+    the smallest divisor t > 1 of its widths that the layer accepts, on x), -1 for a leaf
+    built whole; `dims` (from the names) when no degree fits, for `model_shards.shard`
+    to name the divisors. `joins`: the layer calls `jaxhybrid.tensor_parallel`; one
+    that does not but builds other shapes at degree t was given a split input it would
+    use without joining its model group (a wrong sum), which is refused."""
     from jaxhybrid import tensor_parallel
-    full = [(leaf.shape, d) for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(params)),
-                                               jax.tree.leaves(dims)) if d >= 0]
-    width = math.gcd(*(shape[d] for shape, d in full))
-    for t in (t for t in range(2, width + 1) if width % t == 0):
+    params = nn.meta.unbox(variables)
+    full = jax.tree.leaves(params)
+    name = type(layer).__name__
+    widths = {n for a in full for n in a.shape}   # a split width divides by t
+    degrees = sorted({t for n in widths for t in range(2, n + 1) if n % t == 0})
+    for t in degrees if at is None else [at[0]]:
         try:
             with tensor_parallel.degree(t):
-                local = _abstract_init(layer, x, train).get("params", {})
-        except ValueError:    # e.g. 6 heads at degree 2 of a layer that also splits 3
+                local = nn.meta.unbox(_abstract_init(layer, x if at is None else at[1], train))
+        except ValueError:    # e.g. 3 heads at degree 2
+            if at is not None:
+                raise
             continue
-        shapes = [leaf.shape for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(local)),
-                                                jax.tree.leaves(dims)) if d >= 0]
-        return any(s[d] != shape[d] for s, (shape, d) in zip(shapes, full))
-    return True   # no degree divides them: `model_shards.shard` names the divisors
+        local = {c: local.get(c) for c in params}
+        if jax.tree.structure(local) != jax.tree.structure(params):
+            raise ValueError(f"tensor parallel: {name} builds other parameters at model "
+                             f"degree {t} than at 1; build the same ones, each dimension at "
+                             f"its width / model degree (jaxhybrid.tensor_parallel.local).")
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(params)[0]]
+        out = [_split_dim(a.shape, b.shape, t, f"{name}{path}")
+               for a, b, path in zip(full, jax.tree.leaves(local), paths)]
+        if not joins and any(d >= 0 for d in out):
+            raise ValueError(f"tensor parallel: {name} gets an input split over 'model' (from "
+                             f"a column-parallel layer before it) but joins no collective, so "
+                             f"its model shards would compute on slices and never be summed; "
+                             f"gather its input first (jaxhybrid.tensor_parallel."
+                             f"gather_from_model) or write it as a row-parallel layer "
+                             f"(reduce_from_model).")
+        return jax.tree.unflatten(jax.tree.structure(dims), out)
+    return dims
+
+
+def _split_dim(full: tuple, local: tuple, t: int, what: str) -> int:
+    """The one dimension in which `local` is `full` / t (-1: none)."""
+    changed = [i for i, (a, b) in enumerate(zip(full, local)) if a != b]
+    if len(full) == len(local) and (not changed or (len(changed) == 1
+                                                      and full[changed[0]] == local[changed[0]] * t)):
+        return changed[0] if changed else -1
+    raise ValueError(f"tensor parallel: {what} has shape {full} at model degree 1 but {local} "
+                     f"at degree {t}; split one dimension, to its width / model degree "
+                     f"(jaxhybrid.tensor_parallel.local), or none.")
 
 
 @contextlib.contextmanager

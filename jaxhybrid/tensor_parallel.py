@@ -41,6 +41,7 @@ from jax import lax
 MODEL = "model"
 
 _DEGREE: contextvars.ContextVar = contextvars.ContextVar("jaxhybrid_tp", default=(1, False))
+_ASKED: contextvars.ContextVar = contextvars.ContextVar("jaxhybrid_tp_asked", default=None)
 
 
 @contextlib.contextmanager
@@ -56,7 +57,24 @@ def degree(size: int) -> Iterator[None]:
 
 def size() -> int:
     """The model degree T of the layers being traced (1 outside a tensor-parallel run)."""
+    asked = _ASKED.get()
+    if asked is not None:
+        asked.append(True)
     return _DEGREE.get()[0]
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[list]:
+    """`with watch() as asked:` — `asked` is non-empty after the block if a layer traced
+    inside asked for the model degree or joined the model group (`size`, `local`, the
+    collectives): it is written for tensor parallelism, whatever names its parameters
+    carry (a row-parallel layer may build its kernel from its split input alone)."""
+    asked: list = []
+    token = _ASKED.set(asked)
+    try:
+        yield asked
+    finally:
+        _ASKED.reset(token)
 
 
 def local(n: int, what: str) -> int:
@@ -69,6 +87,14 @@ def local(n: int, what: str) -> int:
 
 
 def _active() -> bool:
+    """Whether the layer being traced joins a model group (and noted for `watch`)."""
+    asked = _ASKED.get()
+    if asked is not None:   # a layer that joins the model group is written for it
+        asked.append(True)
+    return _bound()
+
+
+def _bound() -> bool:
     return _DEGREE.get()[1]
 
 
@@ -118,13 +144,13 @@ def gather_from_model(x, axis: int = -1):
 
 def make_jaxpr(fn, **kwargs):
     """jax.make_jaxpr with "model" bound to the current degree (outside a shard_map)."""
-    env = [(MODEL, size())] if _active() else []
+    env = [(MODEL, _DEGREE.get()[0])] if _bound() else []
     return jax.make_jaxpr(fn, axis_env=env, **kwargs)
 
 
 def eval_shape(fn, *args):
     """jax.eval_shape that also works on functions with "model" collectives."""
-    if not _active():
+    if not _bound():
         return jax.eval_shape(fn, *args)
     return make_jaxpr(fn, return_shape=True)(*args)[1]
 

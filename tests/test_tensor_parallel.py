@@ -159,7 +159,7 @@ def test_make_mesh_model_axis_and_bad_degrees():
     two_heads = models.get_model("gpt", "tiny")   # 2 heads cannot split 4 ways
     pipe = jp.Pipeline(two_heads.layers, mesh=jh.make_mesh(data=2, pipe=1, model=4),
                        boundaries=[], remat="none")
-    with pytest.raises(ValueError, match="not divisible by model=4"):
+    with pytest.raises(ValueError, match="num_heads=2 is not divisible by the model degree 4"):
         pipe.init(jax.random.key(0), two_heads.sample_batch(2, 0)[0])
 
 

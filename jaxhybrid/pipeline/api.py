@@ -81,7 +81,7 @@ class Pipeline(PipelineVariables):
         # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
         self.model = int(dict(mesh.shape).get(MODEL, 1))
         self.stage_spec = P((PIPE, MODEL)) if MODEL in mesh.axis_names else P(PIPE)
-        self._split_dims = None   # per layer: params tree of the dim split over "model"
+        self._split_dims = None   # per layer: {collection: tree of the dim split over "model"}
         if self.model > 1 and self.splitter is not None:
             raise ValueError("Pipeline: a mesh with model > 1 needs a list of layers (the "
                              "tensor-parallel layouts come from each layer's init).")
@@ -187,9 +187,9 @@ class Pipeline(PipelineVariables):
 
     def _dims(self, i: int, c: str):
         """Layer i's tree of dims split over "model" for collection c (None: none)."""
-        if self.model == 1 or c != "params" or self._split_dims is None:
+        if self.model == 1 or self._split_dims is None:
             return None
-        return self._split_dims[i]
+        return self._split_dims[i].get(c)
 
     def _model_shard(self, i: int, c: str, tree, j: int):
         return model_shards.shard(tree, self._dims(i, c), self.model, j, f"layer {i}")

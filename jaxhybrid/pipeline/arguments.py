@@ -8,7 +8,7 @@ from typing import Any
 import flax
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.schedules import Schedule, make_schedule
@@ -23,6 +23,14 @@ def checked_mesh(mesh) -> Mesh:
         raise ValueError(f"Pipeline: mesh must have the axes ('data', 'pipe') or ('data', "
                          f"'pipe', 'model'), got {names}; build it with "
                          f"jaxhybrid.make_mesh(data=..., pipe=..., model=...).")
+    explicit = [n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+                if t != AxisType.Auto]
+    if explicit:
+        # jax.make_mesh makes Explicit axes by default; shard_map then refuses the
+        # unsharded batch ("in_specs ... does not match the specs of the input").
+        raise ValueError(f"Pipeline: mesh axes {explicit} are not AxisType.Auto (jax.make_mesh "
+                         f"makes Explicit ones); build the mesh with jaxhybrid.make_mesh, or pass "
+                         f"axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}.")
     return mesh
 
 

@@ -1,7 +1,8 @@
 """A layer's variables cut into "model" shards (tensor parallelism) and joined back.
 
-A parameter whose logical names put one dimension on "model" (`sharding.MODEL_RULES`)
-is split evenly along it: shard j of T holds slice j. The pipeline packs each shard into
+A variable (parameter or state) that its layer builds at 1 / T of one dimension's width
+at model degree T (`sharding.variable_split_dims`) is split evenly along that dimension:
+shard j of T holds slice j. The pipeline packs each shard into
 its own row of stage buffers (rows stacked over ("pipe", "model")), so packing never
 flattens a "model"-split dimension away; every other leaf is copied to every shard.
 Dims are given per leaf as an int (-1: not split).
@@ -15,22 +16,26 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxhybrid.sharding import TENSOR_PARALLEL_AXES, layer_split_dims, model_split_dims
+from jaxhybrid.sharding import model_split_dims, variable_split_dims
 
 PyTree = Any
 
 
-def split_dims(layer: nn.Module, x: PyTree) -> PyTree:
-    """The layer's "params" tree of dims split over "model", from its abstract init on
-    input x (still boxed with the logical names; no FLOPs). A layer whose names put
-    dims on "model" but that is not written for tensor parallelism is kept whole, and
-    the user is told once (it costs memory and compute on every model shard)."""
-    params, dims = layer_split_dims(layer, x)
-    named = [d for d in jax.tree.leaves(model_split_dims(params)) if d >= 0]
-    if named and all(d < 0 for d in jax.tree.leaves(dims)):
+def split_dims(layer: nn.Module, x: PyTree, model: int, x_local: PyTree) -> PyTree:
+    """Per collection, the layer's tree of dims split over "model", from its abstract init
+    on input x (`sharding.variable_split_dims`: what the layer builds at degree `model`
+    on its input there, `x_local`, decides; no FLOPs). Leaves whose names put a dim on "model" but that the layer builds whole
+    are kept whole, and the user is told once (they cost memory and compute on every
+    model shard)."""
+    boxed, dims = variable_split_dims(layer, x, at=(model, x_local))
+    flat = jax.tree_util.tree_flatten_with_path(model_split_dims(boxed))[0]
+    whole = [jax.tree_util.keystr(p) for (p, named), d in zip(flat, jax.tree.leaves(dims))
+             if named >= 0 and d < 0]
+    if whole:
         warnings.warn(f"Pipeline: {type(layer).__name__} names a dimension 'heads' or 'mlp' "
-                      "for 'model' but builds them whole at model degree > 1, so it runs "
-                      "replicated in its model group; to split it, build them with "
+                      f"for 'model' but builds {', '.join(whole[:4])}"
+                      f"{' ...' if len(whole) > 4 else ''} whole at model degree > 1, so it "
+                      "runs replicated in its model group; to split it, build it with "
                       "jaxhybrid.tensor_parallel.local and join with its collectives.",
                       stacklevel=4)
     return dims

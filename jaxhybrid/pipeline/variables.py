@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxhybrid import tensor_parallel
 from jaxhybrid.layers import init_layer
 from jaxhybrid.pipeline import model_shards, packing
 
@@ -30,10 +31,13 @@ class PipelineVariables:
         if self.model > 1:   # which dimensions each layer's logical names split
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *np.shape(a)[1:]), a.dtype),
                              sample_inputs)
+            x_local = x   # what layer i gets at the model degree (split after a column-parallel one)
             for i, layer in enumerate(self.layers):
-                self._record_split_dims(i, layer, x)
-                x = jax.eval_shape(functools.partial(init_layer, layer, train=False),
-                                   jax.random.fold_in(rng, i), x)[1]
+                self._record_split_dims(i, layer, x, x_local)
+                init = functools.partial(init_layer, layer, train=False)
+                x = jax.eval_shape(init, jax.random.fold_in(rng, i), x)[1]
+                with tensor_parallel.degree(self.model):
+                    x_local = tensor_parallel.eval_shape(init, jax.random.fold_in(rng, i), x_local)[1]
         return self.pack(self.init_layers(rng, sample_inputs))
 
     def init_layers(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
@@ -68,10 +72,11 @@ class PipelineVariables:
             self._init_program = jax.jit(functools.partial(_init_in_order, tuple(self.layers)))
         return self._init_program, jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
 
-    def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree) -> None:
+    def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree, x_local: PyTree) -> None:
         if self._split_dims is None:
             self._split_dims = [None] * len(self.layers)
-        self._split_dims[i] = model_shards.split_dims(layer, x)
+        self._split_dims[i] = {"params": {}, **model_shards.split_dims(layer, x, self.model,
+                                                                        x_local)}
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
         """Per-layer flax variable dicts -> packed, sharded stage variables."""

@@ -329,6 +329,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     import jax
     import jax.numpy as jnp
 
+    from jaxhybrid import tensor_parallel
     from jaxhybrid.layers import apply_layer
     from jaxhybrid.plan.model_axis import model_terms
 
@@ -338,7 +339,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     def fwd(v, xx):
         return apply_layer(layer, v, xx, train=train, rng=drop)
 
-    fwd_lowered = jax.jit(fwd).lower(lvars, x)
+    with tensor_parallel.watch() as asked:   # a layer written for tensor parallelism asks
+        fwd_lowered = jax.jit(fwd).lower(lvars, x)
     fwd_c = _compile(fwd_lowered, True) if measure else None
     y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
 
@@ -361,7 +363,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),
-                                boxed_params=boxed_params))
+                                boxed_params=boxed_params, asks_degree=bool(asked)))
 
     def compiled_costs() -> dict:
         fwd_flops, fwd_bytes = _xla_cost(fwd_c or _compile(fwd_lowered, False))

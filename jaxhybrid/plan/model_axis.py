@@ -4,9 +4,9 @@
 Which parts of a layer are split over "model" is not listed per model: `profile` reads
 it from the layer itself (`model_terms`):
 
-* parameters: the leaves whose logical axis names the rules map to "model", in a layer
-  written for tensor parallelism (`sharding.layer_split_dims`: one that builds them
-  whole at degree T is kept whole) -> `model_param_bytes`;
+* parameters: the leaves the layer builds at 1 / t of one dimension at degree t
+  (`sharding.layer_split_dims`, on its degree-1 input; names alone split nothing) ->
+  `model_param_bytes`;
 * residuals, matmul FLOPs and collectives: the layer is traced once more, abstractly, at
   degree 2 (`tensor_parallel.degree(2)`, "model" bound by `make_jaxpr`; 3, 5 or 7 when
   its split dimensions are odd), which is how the pipeline runs it. With R replicated
@@ -87,10 +87,12 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
 
 
 def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: int,
-                boxed_params=None) -> dict:
+                boxed_params=None, asks_degree: bool = False) -> dict:
     """The LayerCost model fields of `layer` on input x (see the module docstring); all 0
     for a layer with no parameter split over "model". `boxed_params`: the layer's boxed
-    abstract "params" when the caller has traced its initialiser already."""
+    abstract "params" when the caller has traced its initialiser already, and
+    `asks_degree` whether the layer asked for the model degree in the caller's traces
+    (`tensor_parallel.watch`: written for tensor parallelism whatever its names)."""
     import flax.linen as nn
     import jax
 
@@ -98,7 +100,8 @@ def model_terms(layer, x, drop, diff_inputs: bool, *, train: bool, saved_bytes: 
     from jaxhybrid.sharding import layer_split_dims
 
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-    boxed, dims = layer_split_dims(layer, x, train=train, boxed_params=boxed_params)
+    boxed, dims = layer_split_dims(layer, x, train=train, boxed_params=boxed_params,
+                                   asks_degree=asks_degree)
     split = sum(_nbytes(leaf) for leaf, d in zip(jax.tree.leaves(nn.meta.unbox(boxed)),
                                                   jax.tree.leaves(dims)) if d >= 0)
     zero = dict(model_param_bytes=0, model_saved_bytes=0, model_flops_fraction=0.0,

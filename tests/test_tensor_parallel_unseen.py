@@ -1,0 +1,218 @@
+"""Tensor parallelism ("model") and ZeRO ("data") on layers nobody here wrote: a
+researcher's own Megatron-style layers built with `jaxhybrid.tensor_parallel`, with their
+own logical names (or none), a whole-built annotated sub-layer inside a split layer,
+batch statistics of split features, a gathered column-parallel head; exact against the
+single-device reference (loss, gradients, state, `apply`)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid import tensor_parallel as tp
+from jaxhybrid.layers import apply_layer
+from jaxhybrid.sharding import variable_split_dims
+
+LP = nn.with_logical_partitioning
+INIT = nn.initializers.lecun_normal()
+SMALL = nn.initializers.normal(0.1)
+RNG = jax.random.key(1)
+VOCAB, WIDTH, HIDDEN = 13, 8, 16
+
+
+class Embed(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Embed(VOCAB, WIDTH, embedding_init=LP(SMALL, ("vocab", "embed")))(ids)
+
+
+class GatedMLP(nn.Module):
+    """Megatron MLP (column- then row-parallel) plus a gate that is an ordinary Flax Dense
+    annotated "mlp" for GSPMD: built whole at every degree, so it must stay whole while
+    the MLP's own kernels split."""
+    @nn.compact
+    def __call__(self, x):
+        gate = nn.Dense(WIDTH, kernel_init=LP(INIT, ("embed", "mlp")), name="gate")(x)
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("embed", "mlp")),
+                     name="up")(tp.copy_to_model(x))
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h) @ down) + jnp.tanh(gate).mean(-1, keepdims=True)
+
+
+class OwnNamesMLP(nn.Module):
+    """Split with the researcher's own logical names ("d", "ffn"), and one kernel with no
+    names at all: what the layer builds at 1 / T says what is split."""
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("d", "ffn")),
+                     bias_init=LP(SMALL, ("ffn",)))(tp.copy_to_model(x))
+        down = self.param("down", INIT, (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h) @ down)
+
+
+class NormedMLP(nn.Module):
+    """BatchNorm on the split hidden features: its batch statistics are split too."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("embed", "mlp")))(
+            tp.copy_to_model(x))
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(h)
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.relu(h) @ down)
+
+
+class GatheredHead(nn.Module):
+    """Column-parallel classifier whose shards are gathered (16 columns, 13 used)."""
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(tp.local(16, "classes"))(tp.copy_to_model(x))
+        return tp.gather_from_model(y, -1)[..., :VOCAB]
+
+
+LAYERS = [Embed(), GatedMLP(), OwnNamesMLP(), NormedMLP(), GatheredHead()]
+
+
+def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def batch(n, seed):
+    r = np.random.RandomState(seed)
+    return (r.randint(0, VOCAB, (n, 6)).astype(np.int32),
+            r.randint(0, VOCAB, (n, 6)).astype(np.int32))
+
+
+def _per_layer():
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=1), boundaries=[], remat="none")
+    return pipe.unpack(pipe.init(jax.random.key(0), batch(2, 0)[0]))
+
+
+def _close(got, ref):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_researchers_own_tensor_parallel_layers_match_the_reference():
+    """(2, 2, 2), 1f1b: a split layer with a whole-built annotated gate inside, one with
+    its own names (and none), batch statistics of split features, a gathered head."""
+    data, M = 2, 2
+    inputs, targets = batch(data * M * 2, 7)
+    ref = _per_layer()
+    ref_loss, ref_grads, ref_vars = jp.reference_value_and_grad(
+        LAYERS, ref, loss_fn, inputs, targets, data=data, num_microbatches=M, rng=RNG)
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=data, pipe=2, model=2),
+                       num_microbatches=M, schedule="1f1b", boundaries=[2], remat="none")
+    with pytest.warns(UserWarning, match=r"GatedMLP .* builds \['params'\]\['gate'\]\['kernel'\] whole"):
+        pipe.init(jax.random.key(0), inputs[:2])
+    shapes = pipe.layer_shapes   # one model shard's
+    assert shapes[1]["params"]["gate"]["kernel"].shape == (WIDTH, WIDTH)
+    assert shapes[1]["params"]["up"]["kernel"].shape == (WIDTH, HIDDEN // 2)
+    assert shapes[2]["params"]["down"].shape == (HIDDEN // 2, WIDTH)
+    assert shapes[3]["batch_stats"]["BatchNorm_0"]["mean"].shape == (HIDDEN // 2,)
+    variables = pipe.pack(ref)
+    loss, grads, new_vars = pipe.value_and_grad(loss_fn)(variables, inputs, targets, RNG)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v["params"] for v in pipe.unpack(grads)], ref_grads)
+    _close(pipe.unpack(new_vars), ref_vars)
+    _close(pipe.unpack(variables), ref)   # pack / unpack round trip
+
+    def sequential(x):
+        for layer, v in zip(LAYERS, ref):
+            x, _ = apply_layer(layer, v, x, train=False, rng=None)
+        return x
+    _close(pipe.apply(variables, inputs), sequential(inputs))
+
+
+def test_split_dims_follow_what_the_layer_builds():
+    x = jax.ShapeDtypeStruct((1, 6, WIDTH), jnp.float32)
+    _, dims = variable_split_dims(GatedMLP(), x)
+    assert dims["params"] == {"gate": {"kernel": -1, "bias": -1}, "up": {"kernel": 1, "bias": 0},
+                              "down": 0}
+    _, dims = variable_split_dims(NormedMLP(), x)
+    assert dims["batch_stats"] == {"BatchNorm_0": {"mean": 0, "var": 0}}
+
+    class Shrinks(nn.Module):   # a kernel that loses a row at degree > 1
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("k", INIT, (WIDTH - (tp.size() > 1), tp.local(HIDDEN, "hidden")))
+            return tp.reduce_from_model(x[..., :k.shape[0]] @ k).sum(-1, keepdims=True) + x
+    with pytest.raises(ValueError, match=r"Shrinks\['params'\]\['k'\] has shape \(8, 16\) at "
+                                         r"model degree 1 but \(7, 8\) at degree 2; split one"):
+        variable_split_dims(Shrinks(), x)
+
+
+def test_the_planner_prices_a_layer_split_under_its_own_names_split():
+    """The shapes-only profile (the planner's) sees OwnNamesMLP's kernels split as the
+    pipeline runs them, not whole because no name is "heads" or "mlp"."""
+    from jaxhybrid.plan import profile
+    costs = profile([Embed(), OwnNamesMLP()], batch(2, 0)[0])
+    assert costs[1].model_param_bytes == costs[1].param_bytes == 4 * (2 * WIDTH * HIDDEN + HIDDEN)
+    assert costs[1].model_flops_fraction == 1.0
+
+
+def test_a_mesh_with_explicit_axes_is_refused_with_the_fix():
+    """jax.make_mesh's default (Explicit axes) used to fail at the first step, inside
+    shard_map, with a message about in_specs."""
+    for shape, names in (((2, 2, 2), ("data", "pipe", "model")), ((4, 2), ("data", "pipe"))):
+        with pytest.raises(ValueError, match=r"are not AxisType.Auto .* build the mesh with "
+                                             r"jaxhybrid.make_mesh"):
+            jp.Pipeline(LAYERS, mesh=jax.make_mesh(shape, names), boundaries=[2], remat="none")
+
+
+class ColumnParallel(nn.Module):
+    """Megatron's ColumnParallelLinear as a layer of its own: its output stays split."""
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(tp.local(HIDDEN, "hidden"))(tp.copy_to_model(x)))
+
+
+class RowParallel(nn.Module):
+    """Megatron's RowParallelLinear: its kernel is built from its (split) input's width."""
+    @nn.compact
+    def __call__(self, h):
+        kernel = self.param("kernel", INIT, (h.shape[-1], WIDTH))
+        return tp.reduce_from_model(h @ kernel) + self.param("bias", SMALL, (WIDTH,))
+
+
+def test_column_and_row_parallel_layers_split_across_a_stage_boundary():
+    """The split activation of ColumnParallel crosses the pipe boundary to RowParallel,
+    whose kernel rows split because its input does (no names, no `local` call)."""
+    layers = [Embed(), ColumnParallel(), RowParallel(), GatheredHead()]
+    pipe0 = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1), boundaries=[], remat="none")
+    inputs, targets = batch(8, 5)
+    ref = pipe0.unpack(pipe0.init(jax.random.key(0), inputs[:2]))
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad(layers, ref, loss_fn, inputs, targets,
+                                                         data=2, num_microbatches=2)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                       schedule="gpipe", boundaries=[2], remat="none")
+    pipe.init(jax.random.key(0), inputs[:2])
+    assert pipe.layer_shapes[2]["params"]["kernel"].shape == (HIDDEN // 2, WIDTH)
+    variables = pipe.pack(ref)
+    loss, grads, _ = pipe.value_and_grad(loss_fn)(variables, inputs, targets)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v["params"] for v in pipe.unpack(grads)], ref_grads)
+
+
+def test_a_plain_layer_fed_a_split_activation_is_refused():
+    """An ordinary Flax Dense (annotated "mlp" for GSPMD, no collective) right after
+    ColumnParallel would get half the features on each model shard; split along its
+    input it used to run on slices whose partial sums nobody added."""
+    class GspmdDense(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return nn.Dense(WIDTH, kernel_init=LP(INIT, ("mlp", "embed")))(h)
+
+    pipe = jp.Pipeline([Embed(), ColumnParallel(), GspmdDense(), GatheredHead()],
+                       mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    with pytest.raises(ValueError, match="GspmdDense gets an input split over 'model' .* "
+                                         "gather its input first"):
+        pipe.init(jax.random.key(0), batch(2, 0)[0])
+    plain = jp.Pipeline([Embed(), ColumnParallel(), nn.Dense(WIDTH), GatheredHead()],
+                        mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                        boundaries=[2], remat="none")   # no names at all: the same
+    with pytest.raises(ValueError, match="Dense gets an input split over 'model'"):
+        plain.init(jax.random.key(0), batch(2, 0)[0])
