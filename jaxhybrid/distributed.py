@@ -115,3 +115,34 @@ def broadcast_json(value):
     padded[:min(size, raw.size)] = raw[:size]
     out = np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)
     return json.loads(out.tobytes().decode())
+
+
+def allgather_json(value) -> list:
+    """Every process's JSON-able `value`, in process order, on every process ([value]
+    with one process)."""
+    import jax
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+    raw = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded), np.uint8)
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+
+
+def check_same_everywhere(fields: dict) -> None:
+    """Raises ValueError (on every process, with the same message) when a process was
+    started with other `fields` ({name: JSON-able value}) than process 0: processes
+    running different steps, layouts or learning rates would fail in a mismatched
+    collective, hang, or train their replicas apart silently."""
+    everyone = allgather_json(fields)
+    diffs = [(i, k) for i, other in enumerate(everyone[1:], 1)
+             for k in sorted(set(other) | set(everyone[0])) if other.get(k) != everyone[0].get(k)]
+    if diffs:
+        i, k = diffs[0]
+        more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
+        raise ValueError(f"process {i} was started with {k}={everyone[i].get(k)!r} but process "
+                         f"0 with {everyone[0].get(k)!r}{more}; start every process with the "
+                         f"same --config, --config.* flags and --workdir.")

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -145,8 +146,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     compile, first step: `jaxhybrid.startup.Phases`) counts from it (default: now)."""
     started = time.time()
     phases = startup.Phases(launched or started)
-    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     workdir = pathlib.Path(workdir).absolute()
+    _check_processes_agree(config, workdir)
+    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     require(not workdir.exists() or workdir.is_dir(),
              f"workdir {workdir} is a file; pass a directory (it is created if missing).")
     # Else orbax fails only at the first save, after training, with pages of traceback.
@@ -170,6 +172,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _check_processes_agree(config, workdir: pathlib.Path) -> None:
+    """Several processes: every one must run process 0's config in process 0's workdir
+    (ConfigError on all of them, naming the first difference). A process started with
+    other flags failed in a mismatched collective (gloo: "Is there a distributed
+    collective mismatch in your code?"), hung, or trained its replicas apart."""
+    if jax.process_count() == 1 or not isinstance(config, ml_collections.ConfigDict):
+        return
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    fields = {"workdir": str(workdir),
+              **dict(flat(json.loads(config.to_json_best_effort(sort_keys=True))))}
+    try:
+        distributed.check_same_everywhere(fields)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
 
 
 @dataclasses.dataclass
