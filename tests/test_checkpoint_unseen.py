@@ -1,0 +1,173 @@
+"""Checkpoints and processes used as a researcher who did not write them would: a
+workdir holding another model's or optimizer's checkpoint, a damaged step directory, a
+disk that fills up during a save, and processes started with different flags. Each
+case failed after compiling, failed with pages of traceback, or trained silently on
+the wrong thing before the fixes (docs/training.md, "Checkpoints and processes, tried
+as a new user would").
+
+GPT "tiny" with explicit boundaries (no profiling); one saved run of two steps.
+"""
+import errno
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxhybrid import checkpoint, optim, train
+from jaxhybrid.config_flags import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = {"model.size": "tiny", "mesh.data": 2, "mesh.pipe": 4, "pipeline.num_microbatches": 4,
+         "pipeline.boundaries": (1, 2, 3), "train.batch_size": 16, "train.steps": 2,
+         "train.log_every": 1, "train.eval_every": 0, "train.eval_steps": 1,
+         "data.options.max_bytes": 40_000, "checkpoint.every": 1, "checkpoint.keep": 5}
+
+
+def gpt_config(model=None, **overrides):
+    config = load_config("gpt_hybrid.py", {**SMALL, **overrides})
+    with config.unlocked():
+        config.model.overrides.update(model or {})
+    return config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A workdir with the checkpoints of steps 1 and 2 of `gpt_config()`."""
+    workdir = tmp_path_factory.mktemp("saved")
+    train.train_and_evaluate(gpt_config(), workdir)
+    return workdir
+
+
+def copy_checkpoints(saved, workdir):
+    shutil.copytree(saved / "checkpoints", workdir / "checkpoints")
+    return workdir / "checkpoints"
+
+
+@pytest.mark.parametrize("model,overrides,message", [
+    ({"d_model": 64}, {}, r"\(layers/0/opt/0/wpe was saved with shape \(64, 32\), this model "
+                          r"has \(64, 64\)\)"),
+    ({"num_layers": 3}, {}, r"\(the checkpoint has 4 layers, this model 5\)"),
+    ({}, {"train.optimizer": "sgd"}, r"\(the checkpoint has 2 optimizer slots per parameter, "
+                                     r"this optimizer 1: another train.optimizer"),
+])
+def test_another_models_checkpoint_is_refused_before_compiling(saved, tmp_path, monkeypatch,
+                                                                model, overrides, message):
+    """The refusal came after the step had compiled (minutes for a large model) and
+    said only "tree structures do not match" or orbax's shape message; it now comes from
+    the checkpoint's metadata before any compilation and names the difference."""
+    copy_checkpoints(saved, tmp_path)
+    compiled = []
+    monkeypatch.setattr(train, "compile_ahead", lambda *a, **k: compiled.append(a))
+    with pytest.raises(checkpoint.CheckpointMismatch, match=message) as e:
+        train.train_and_evaluate(gpt_config(model, **{"train.steps": 3, **overrides}), tmp_path)
+    assert "\n" not in str(e.value) and "step 2" in str(e.value)
+    assert compiled == []
+
+
+def restore(config, directory):
+    run = train.prepare(config)
+    variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
+    tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
+    template = {"variables": variables, "opt_state": tx.init(variables["params"])}
+    checkpointer = checkpoint.Checkpointer(directory, keep=5)
+    try:
+        return checkpointer.restore(run.pipe, template)
+    finally:
+        checkpointer.close()
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(saved, tmp_path):
+    """A truncated data file (a copy cut short, a disk error) raised tensorstore's plain
+    Exception with a page of spec JSON; a garbled meta file said "does not fit this
+    model". Both now say the step cannot be read and name the step to resume from."""
+    directory = copy_checkpoints(saved, tmp_path)
+    step = directory / "2" / "state"
+    for f in step.rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:100])
+    pattern = (r"^checkpoint: step 2 in .* cannot be read \(.+\): it is incomplete or "
+               r"damaged; move it away to resume from step 1\.$")
+    with pytest.raises(checkpoint.CheckpointMismatch, match=pattern) as e:
+        restore(gpt_config(), directory)
+    assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+    assert len(str(e.value)) < 400
+    shutil.rmtree(directory / "2")
+    shutil.copytree(saved / "checkpoints" / "2", directory / "2")
+    (directory / "2" / "meta" / "metadata").write_text("{garbage")
+    with pytest.raises(checkpoint.CheckpointMismatch, match=pattern):
+        restore(gpt_config(), directory)
+    shutil.rmtree(directory / "2")
+    _, meta = restore(gpt_config(), directory)       # the older step still restores
+    assert meta["step"] == 1
+
+
+def test_a_full_disk_ends_the_run_in_one_line_naming_the_last_checkpoint(tmp_path,
+                                                                         monkeypatch):
+    """Orbax reports a failed asynchronous write (no space left) at the next save, as
+    pages of traceback from its save thread; it is now one line naming the directory,
+    the cause and the last complete checkpoint."""
+    save, calls = ocp.CheckpointManager.save, []
+
+    def full_after_the_first(self, step, *args, **kwargs):
+        calls.append(step)
+        if len(calls) > 1:          # orbax waits for the previous save, then fails
+            self.wait_until_finished()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, step, *args, **kwargs)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_the_first)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"^checkpoint: writing to .*checkpoints failed \(.*No space left "
+                             r"on device\); free space there .*last complete checkpoint: "
+                             r"step 1\)\.$") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path)
+    assert "\n" not in str(e.value)
+
+
+WRAPPER = '''
+import os, runpy, sys
+extra = os.environ.get("EXTRA_FLAGS_%s" % os.environ["JAX_PROCESS_ID"], "")
+sys.argv = [{train!r}, *sys.argv[1:], *extra.split()]
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_processes_started_with_different_flags_stop_with_one_error(tmp_path):
+    """Process 1 with another learning rate trained silently (its data replica apart
+    from process 0's, into the same checkpoint); with another train.steps it died in a
+    mismatched gloo collective. Now every process stops before the workdir is touched,
+    naming the first differing field."""
+    script = tmp_path / "per_process.py"
+    script.write_text(WRAPPER.format(train=str(ROOT / "scripts" / "train.py")))
+    args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+            for k, v in SMALL.items()]
+    env = {**os.environ, "EXTRA_FLAGS_1": "--config.train.learning_rate=0.01"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=20", f"--script={script}", "--",
+           "--config=gpt_hybrid.py", f"--workdir={tmp_path / 'w'}", "--cache_dir=",
+           "--heartbeat_timeout=10", "--initialization_timeout=60", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    line = ("error: config: process 1 was started with train.learning_rate=0.01 but process "
+            "0 with 0.002; start every process with the same --config, --config.* flags and "
+            "--workdir.")
+    for i in (0, 1):
+        assert f"[{i}] {line}" in text, text[-3000:]
+    assert not (tmp_path / "w").exists()
+
+
+def test_launcher_fails_when_every_process_fails_at_once(tmp_path):
+    """Processes that all exited non-zero between two of the launcher's polls (the same
+    error at start-up) ended its loop with no failure seen: it exited 0."""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"),
+                          "--processes=3", f"--script={script}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stdout
+    assert "launch_local: process 0 (pid" in out.stdout and "exited with code 3" in out.stdout
