@@ -86,9 +86,20 @@ def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
     resolved = resolve(settings, environ)
     if resolved is None:
         return False
+    import sys
+
     import jax
     # CPU collectives across processes (ignored by GPU and TPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Said before joining: when a process never starts, jax aborts every other one from
+    # C++ ("DEADLINE_EXCEEDED ... RegisterTask", "most likely ... another task died"),
+    # with no Python exception to turn into a message of ours.
+    if resolved.num_processes is not None:
+        print(f"distributed: process {resolved.process_id} of {resolved.num_processes} "
+              f"joining {resolved.coordinator_address}; waiting up to "
+              f"{resolved.initialization_timeout} s for every process to start (one that "
+              f"never does ends the others with DEADLINE_EXCEEDED ... RegisterTask)",
+              file=sys.stderr, flush=True)
     jax.distributed.initialize(
         coordinator_address=resolved.coordinator_address,
         num_processes=resolved.num_processes, process_id=resolved.process_id,

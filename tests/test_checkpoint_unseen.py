@@ -171,3 +171,20 @@ def test_launcher_fails_when_every_process_fails_at_once(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stdout
     assert "launch_local: process 0 (pid" in out.stdout and "exited with code 3" in out.stdout
+
+
+def test_a_process_whose_peer_never_starts_says_what_it_waited_for(tmp_path):
+    """Process 0 of 2 alone: jax aborts it from C++ after --initialization_timeout with
+    "DEADLINE_EXCEEDED ... RegisterTask" and "most likely indicates that another task
+    died"; nothing of ours said which processes it waited for, where, or how long."""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+           "JAX_COORDINATOR_ADDRESS": "localhost:1", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"),
+                          "--initialization_timeout=2", f"--workdir={tmp_path / 'w'}",
+                          "--cache_dir="], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert ("distributed: process 1 of 2 joining localhost:1; waiting up to 2 s for every "
+            "process to start") in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "w").exists()
