@@ -69,16 +69,20 @@ def test_another_models_checkpoint_is_refused_before_compiling(saved, tmp_path, 
     assert compiled == []
 
 
-def restore(config, directory):
+def restorer(config):
+    """restore(directory) -> (state, meta) of its latest step, for `config`'s pipeline."""
     run = train.prepare(config)
     variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
     tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
-    checkpointer = checkpoint.Checkpointer(directory, keep=5)
-    try:
-        return checkpointer.restore(run.pipe, template)
-    finally:
-        checkpointer.close()
+
+    def restore(directory):
+        checkpointer = checkpoint.Checkpointer(directory, keep=5)
+        try:
+            return checkpointer.restore(run.pipe, template)
+        finally:
+            checkpointer.close()
+    return restore
 
 
 def test_a_damaged_checkpoint_is_named_in_one_line(saved, tmp_path):
@@ -90,19 +94,20 @@ def test_a_damaged_checkpoint_is_named_in_one_line(saved, tmp_path):
     for f in step.rglob("*"):
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(f.read_bytes()[:100])
+    restore = restorer(gpt_config())
     pattern = (r"^checkpoint: step 2 in .* cannot be read \(.+\): it is incomplete or "
                r"damaged; move it away to resume from step 1\.$")
     with pytest.raises(checkpoint.CheckpointMismatch, match=pattern) as e:
-        restore(gpt_config(), directory)
+        restore(directory)
     assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
     assert len(str(e.value)) < 400
     shutil.rmtree(directory / "2")
     shutil.copytree(saved / "checkpoints" / "2", directory / "2")
     (directory / "2" / "meta" / "metadata").write_text("{garbage")
     with pytest.raises(checkpoint.CheckpointMismatch, match=pattern):
-        restore(gpt_config(), directory)
+        restore(directory)
     shutil.rmtree(directory / "2")
-    _, meta = restore(gpt_config(), directory)       # the older step still restores
+    _, meta = restore(directory)       # the older step still restores
     assert meta["step"] == 1
 
 
@@ -181,11 +186,11 @@ def test_a_process_whose_peer_never_starts_says_what_it_waited_for(tmp_path):
            "JAX_COORDINATOR_ADDRESS": "localhost:1", "JAX_NUM_PROCESSES": "2",
            "JAX_PROCESS_ID": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"),
-                          "--initialization_timeout=2", f"--workdir={tmp_path / 'w'}",
+                          "--initialization_timeout=1", f"--workdir={tmp_path / 'w'}",
                           "--cache_dir="], capture_output=True, text=True, env=env,
                          timeout=120, cwd=ROOT)
     assert out.returncode != 0
-    assert ("distributed: process 1 of 2 joining localhost:1; waiting up to 2 s for every "
+    assert ("distributed: process 1 of 2 joining localhost:1; waiting up to 1 s for every "
             "process to start") in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "w").exists()
 
