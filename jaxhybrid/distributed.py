@@ -143,17 +143,19 @@ def allgather_json(value) -> list:
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
-def check_same_everywhere(fields: dict) -> None:
-    """Raises ValueError (on every process, with the same message) when a process was
-    started with other `fields` ({name: JSON-able value}) than process 0: processes
-    running different steps, layouts or learning rates would fail in a mismatched
-    collective, hang, or train their replicas apart silently."""
+def check_same_everywhere(fields: dict, *, seen: str = "was started with",
+                          fix: str = "start every process with the same --config, --config.* "
+                                     "flags and --workdir") -> None:
+    """Raises ValueError (on every process, with the same message) when a process has
+    other `fields` ({name: JSON-able value}) than process 0 ("process 1 <seen> k=v but
+    process 0 with w; <fix>."): processes running different steps, layouts or learning
+    rates would fail in a mismatched collective, hang, or train their replicas apart
+    silently."""
     everyone = allgather_json(fields)
     diffs = [(i, k) for i, other in enumerate(everyone[1:], 1)
              for k in sorted(set(other) | set(everyone[0])) if other.get(k) != everyone[0].get(k)]
     if diffs:
         i, k = diffs[0]
         more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
-        raise ValueError(f"process {i} was started with {k}={everyone[i].get(k)!r} but process "
-                         f"0 with {everyone[0].get(k)!r}{more}; start every process with the "
-                         f"same --config, --config.* flags and --workdir.")
+        raise ValueError(f"process {i} {seen} {k}={everyone[i].get(k)!r} but process 0 "
+                         f"with {everyone[0].get(k)!r}{more}; {fix}.")

@@ -159,6 +159,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     writer = None
     try:
+        _check_processes_see_one_checkpoint(ckpt)
         begun = _begin(run, config, phases, main, ckpt)
         if main:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -190,6 +191,21 @@ def _check_processes_agree(config, workdir: pathlib.Path) -> None:
         distributed.check_same_everywhere(fields)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
+
+
+def _check_processes_see_one_checkpoint(ckpt: checkpoint.Checkpointer) -> None:
+    """Several processes: all must resume from the same step. With the workdir on each
+    host's own disk (the default /tmp/jaxhybrid/<config>), process 0 found its steps and
+    the others none: they trained from other steps in the same collectives, silently."""
+    if jax.process_count() == 1:
+        return
+    try:
+        distributed.check_same_everywhere(
+            {"checkpoint step": ckpt.latest_step()}, seen=f"finds in {ckpt.directory} the",
+            fix="put --workdir on a file system every process sees (the checkpoints are "
+                "written by all of them)")
+    except ValueError as e:
+        raise checkpoint.CheckpointMismatch(f"checkpoint: {e}") from None
 
 
 @dataclasses.dataclass

@@ -166,6 +166,40 @@ def test_processes_started_with_different_flags_stop_with_one_error(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+HIDDEN = '''
+import os, runpy, sys
+if os.environ["JAX_PROCESS_ID"] == "1":    # a host whose own disk holds no checkpoint
+    import orbax.checkpoint as ocp
+    ocp.CheckpointManager.latest_step = lambda self: None
+sys.argv = [{train!r}, *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_processes_that_see_different_checkpoints_stop_with_one_error(saved, tmp_path):
+    """The workdir on each host's own disk (the default is under /tmp): process 0 found
+    step 2 and resumed there, process 1 found none and started at step 1, and both went
+    on in the same collectives (the replicas trained from different states). Now every
+    process stops, naming the steps and the fix."""
+    copy_checkpoints(saved, tmp_path / "w")
+    script = tmp_path / "hidden.py"
+    script.write_text(HIDDEN.format(train=str(ROOT / "scripts" / "train.py")))
+    args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+            for k, v in {**SMALL, "train.steps": 3}.items()]
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=20", f"--script={script}", "--",
+           "--config=gpt_hybrid.py", f"--workdir={tmp_path / 'w'}", "--cache_dir=",
+           "--heartbeat_timeout=10", "--initialization_timeout=60", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode != 0
+    line = (f"error: checkpoint: process 1 finds in {tmp_path / 'w' / 'checkpoints'} the "
+            f"checkpoint step=None but process 0 with 2; put --workdir on a file system "
+            f"every process sees")
+    for i in (0, 1):
+        assert f"[{i}] {line}" in out.stdout, out.stdout[-3000:]
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
 def test_launcher_fails_when_every_process_fails_at_once(tmp_path):
     """Processes that all exited non-zero between two of the launcher's polls (the same
     error at start-up) ended its loop with no failure seen: it exited 0."""
