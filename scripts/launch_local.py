@@ -87,8 +87,10 @@ def launch(args: argparse.Namespace, script_args: list[str]) -> int:
         # same config error at start-up) ended the loop with the launcher exiting 0.
         for i, p in enumerate(procs):
             if p.poll() not in (None, 0):
-                print(f"launch_local: process {i} (pid {p.pid}) {describe(p.returncode)}; "
-                      f"stopping the others within {args.stop_grace_s:g} s", flush=True)
+                rest = (f"; stopping the others within {args.stop_grace_s:g} s"
+                        if any(q.poll() is None for q in procs) else "")
+                print(f"launch_local: process {i} (pid {p.pid}) {describe(p.returncode)}{rest}",
+                      flush=True)
                 return i, p.returncode, time.monotonic()
         return None
     try:
