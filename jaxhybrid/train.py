@@ -155,6 +155,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
             f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
             f"checkpoints in that directory).")
+    _check_writable(workdir)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     writer = None
@@ -173,6 +174,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _check_writable(workdir: pathlib.Path) -> None:
+    """A workdir (or the folder it would be made in) that cannot be written failed with
+    an OSError traceback when config.json was written, after planning and compiling."""
+    for path in (workdir / "checkpoints", workdir, *workdir.parents):
+        if path.exists():
+            require(os.access(path, os.W_OK | os.X_OK),
+                    f"workdir: {path} is not writable (a read-only file system or no "
+                    f"permission); pass a --workdir this process can write to.")
+            return
 
 
 def _check_processes_agree(config, workdir: pathlib.Path) -> None:

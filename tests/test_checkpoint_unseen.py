@@ -133,6 +133,22 @@ def test_a_full_disk_ends_the_run_in_one_line_naming_the_last_checkpoint(tmp_pat
     assert "\n" not in str(e.value)
 
 
+def test_a_read_only_workdir_is_refused_before_planning(tmp_path, monkeypatch):
+    """A workdir on a read-only file system (tried with a read-only bind mount) failed
+    with an OSError traceback when config.json was written, after planning, compiling
+    and restoring. Here the folder it would be made in reads as not writable (root
+    writes through permission bits, so no chmod)."""
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: (
+        False if pathlib.Path(path) == tmp_path else access(path, mode, *a, **k)))
+    with pytest.raises(train.ConfigError, match=rf"^workdir: {tmp_path} is not writable "
+                                                r"\(a read-only file system or no "
+                                                r"permission\); pass a --workdir") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path / "w")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w").exists()
+
+
 WRAPPER = '''
 import os, runpy, sys
 extra = os.environ.get("EXTRA_FLAGS_%s" % os.environ["JAX_PROCESS_ID"], "")
