@@ -456,9 +456,7 @@ class Checkpointer:
         return f" to resume from step {older[-1]}." if older else "."
 
     def _mismatch(self, step, why):
-        # An empty or damaged step directory (copied in part, a disk error) fails the same
-        # way as another model's checkpoint; the message said only "another model", and
-        # not that the older steps are still there to resume from.
+        # Names the older steps too: they are still there to resume from.
         return (f"checkpoint: step {step} in {self.directory} does not fit this model and "
                 f"optimizer ({why}); resume with the config it was saved with, or use a "
                 f"fresh workdir; if that step directory is incomplete or damaged, move it "
