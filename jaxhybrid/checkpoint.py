@@ -17,7 +17,8 @@ finished writing it):
 
     <directory>/<step>/state   {"layers": [{"variables": {...}, "opt": [slot, ...]}, ...],
                                 "opt_rest": [non-parameter optimizer leaves]}
-    <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout
+    <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout, shapes
+                               ({leaf path: shape} of "state", checked before a restore)
 
 A model given to the pipeline as one linen module (split by `jaxhybrid.splitter`) is
 saved as one "layer" holding the model's own variable tree (as `model.init` returns it)
@@ -36,6 +37,7 @@ leaves), and its inverse packs the restored shards.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -57,6 +59,10 @@ PyTree = Any
 
 class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the model or optimizer restoring it."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (a full disk, no permission); names the directory."""
 
 
 # --- parameter-shaped trees <-> per layer -------------------------------------------
@@ -311,6 +317,55 @@ def _shapes(tree: PyTree) -> list:
     return [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]
 
 
+def _path(keys) -> str:
+    """A leaf's key path as "layers/0/variables/params/wte/embedding"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def _leaf_shapes(tree: PyTree) -> dict:
+    """{leaf path: shape} of a portable tree (arrays, shape structs or orbax metadata)."""
+    return {_path(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))}
+
+
+def _short(error, limit: int = 160) -> str:
+    """An orbax / tensorstore error in a few words: its first line, without the
+    tensorstore spec (a page of JSON) that follows."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
+        text = text.split(cut)[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _counts(paths, part: str) -> dict:
+    """{layer index: number of distinct `part` entries} ("opt": optimizer slots)."""
+    out: dict = {}
+    for p in paths:
+        keys = p.split("/")
+        if keys[0] == "layers" and len(keys) > 3 and keys[2] == part:
+            out.setdefault(keys[1], set()).add(keys[3])
+    return {k: len(v) for k, v in out.items()}
+
+
+def _difference(saved: dict, wanted: dict) -> str | None:
+    """What differs between two {leaf path: shape} of the portable format (None: they fit)."""
+    layers = lambda d: len({p.split("/")[1] for p in d if p.startswith("layers/")})
+    if layers(saved) != layers(wanted):
+        return f"the checkpoint has {layers(saved)} layers, this model {layers(wanted)}"
+    slots = lambda d: max(_counts(d, "opt").values(), default=0)
+    if slots(saved) != slots(wanted):
+        return (f"the checkpoint has {slots(saved)} optimizer slots per parameter, this "
+                f"optimizer {slots(wanted)}: another train.optimizer or train.momentum")
+    for p in sorted(set(saved) | set(wanted)):
+        if p not in wanted:
+            return f"{p} is saved but not in this model"
+        if p not in saved:
+            return f"{p} is in this model but not saved"
+        if saved[p] != wanted[p]:
+            return f"{p} was saved with shape {saved[p]}, this model has {wanted[p]}"
+    return None
+
+
 class Checkpointer:
     """Saves and restores train states in the per-layer format, under `directory`
     (keeps the newest `keep` steps). Orbax writes each step into a temporary directory
@@ -318,8 +373,11 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int):
         self.directory = os.path.abspath(os.fspath(directory))
+        # Handlers named up front: `check` reads a step's metadata before any restore.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -333,42 +391,104 @@ class Checkpointer:
         write finishes in the background (see `wait`)."""
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
+                "shapes": {p: list(shape) for p, shape in _leaf_shapes(portable).items()},
                 "layout": {"data": pipe.data, "pipe": pipe.pipe_size,
                            "model": pipe.model,
                            "boundaries": [int(b) for b in pipe.boundaries]}}
-        self._manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))
+        with self._writing():     # also reports a failure of the previous (async) save
+            self._manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))
+
+    def check(self, pipe, template: dict, step: int | None = None) -> None:
+        """Does `step` (default: the latest) fit `pipe` and the optimizer state of
+        `template` (arrays or jax.ShapeDtypeStructs)? Reads only the step's metadata, so
+        it runs before anything is compiled; a mismatch -> CheckpointMismatch naming the
+        first differing layer leaf, or the layer / optimizer-slot counts."""
+        step = self.latest_step() if step is None else int(step)
+        if step is None:
+            return
+        try:
+            saved = self._saved_shapes(step)
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise plain Exceptions)
+            raise CheckpointMismatch(self._damaged(step, e)) from None
+        if not saved:
+            raise CheckpointMismatch(self._damaged(step, "no arrays in its state"))
+        why = _difference(saved, _leaf_shapes(jax.eval_shape(
+            functools.partial(_portable, pipe), template)))
+        if why:
+            raise CheckpointMismatch(self._mismatch(step, why))
+
+    def _saved_shapes(self, step: int) -> dict:
+        """{leaf path: shape} of a step's portable tree: from its meta JSON (one small
+        file), or from orbax's array metadata for checkpoints written before it was kept
+        there."""
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        if isinstance(meta, dict) and isinstance(meta.get("shapes"), dict):
+            return {p: tuple(shape) for p, shape in meta["shapes"].items()}
+        return _leaf_shapes(self._manager.item_metadata(step)["state"])
 
     def restore(self, pipe, template: dict, step: int | None = None) -> tuple[dict, dict]:
         """(train state packed for `pipe`, meta) of `step` (default: the latest).
-        A checkpoint from another model or optimizer -> CheckpointMismatch saying so."""
+        A checkpoint from another model or optimizer -> CheckpointMismatch naming the
+        difference; a damaged one -> CheckpointMismatch naming the step to resume from."""
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise ValueError(f"checkpoint: no checkpoint in {self.directory}.")
+        self.check(pipe, template, step)
         target = abstract_portable(pipe, template)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointMismatch(self._mismatch(step, str(e).splitlines()[0])) from None
+            meta = restored["meta"]
+            if not isinstance(meta, dict) or "step" not in meta or "rng" not in meta:
+                raise ValueError("its meta JSON has no step and rng")
+        except Exception as e:  # noqa: BLE001 (a truncated file: tensorstore's Exception)
+            # A truncated or missing data file raised a plain Exception (a traceback with
+            # pages of tensorstore spec), or "does not fit this model" for a damaged file.
+            raise CheckpointMismatch(self._damaged(step, e)) from None
         if _shapes(restored["state"]) != _shapes(target):
             raise CheckpointMismatch(self._mismatch(step, "parameter shapes differ"))
-        return from_portable(pipe, restored["state"], template), dict(restored["meta"])
+        return from_portable(pipe, restored["state"], template), dict(meta)
+
+    def _older(self, step) -> str:
+        older = [s for s in self.all_steps() if s < step]
+        return f" to resume from step {older[-1]}." if older else "."
 
     def _mismatch(self, step, why):
-        # An empty or damaged step directory (copied in part, a disk error) fails the same
-        # way as another model's checkpoint; the message said only "another model", and
-        # not that the older steps are still there to resume from.
-        older = [s for s in self.all_steps() if s < step]
+        # Names the older steps too: they are still there to resume from.
         return (f"checkpoint: step {step} in {self.directory} does not fit this model and "
                 f"optimizer ({why}); resume with the config it was saved with, or use a "
                 f"fresh workdir; if that step directory is incomplete or damaged, move it "
-                f"away" + (f" to resume from step {older[-1]}." if older else "."))
+                f"away" + self._older(step))
+
+    def _damaged(self, step, error) -> str:
+        return (f"checkpoint: step {step} in {self.directory} cannot be read "
+                f"({_short(error)}): it is incomplete or damaged; move it away"
+                + self._older(step))
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A failed write (orbax raises it at the next save or wait, as a ValueError
+        "RESOURCE_EXHAUSTED ..." or an OSError, with pages of traceback) ->
+        CheckpointWriteError in one line."""
+        try:
+            yield
+        except (OSError, ValueError) as e:
+            self._manager.reload()                     # steps on disk, not those begun
+            last = self.latest_step()
+            raise CheckpointWriteError(
+                f"checkpoint: writing to {self.directory} failed ({_short(e)}); free space "
+                f"there or use another --workdir (last complete checkpoint: "
+                f"{'none' if last is None else f'step {last}'}).") from None
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()

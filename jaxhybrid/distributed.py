@@ -86,9 +86,20 @@ def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
     resolved = resolve(settings, environ)
     if resolved is None:
         return False
+    import sys
+
     import jax
     # CPU collectives across processes (ignored by GPU and TPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Said before joining: when a process never starts, jax aborts every other one from
+    # C++ ("DEADLINE_EXCEEDED ... RegisterTask", "most likely ... another task died"),
+    # with no Python exception to turn into a message of ours.
+    if resolved.num_processes is not None:
+        print(f"distributed: process {resolved.process_id} of {resolved.num_processes} "
+              f"joining {resolved.coordinator_address}; waiting up to "
+              f"{resolved.initialization_timeout} s for every process to start (one that "
+              f"never does ends the others with DEADLINE_EXCEEDED ... RegisterTask)",
+              file=sys.stderr, flush=True)
     jax.distributed.initialize(
         coordinator_address=resolved.coordinator_address,
         num_processes=resolved.num_processes, process_id=resolved.process_id,
@@ -115,3 +126,36 @@ def broadcast_json(value):
     padded[:min(size, raw.size)] = raw[:size]
     out = np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)
     return json.loads(out.tobytes().decode())
+
+
+def allgather_json(value) -> list:
+    """Every process's JSON-able `value`, in process order, on every process ([value]
+    with one process)."""
+    import jax
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+    raw = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded), np.uint8)
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+
+
+def check_same_everywhere(fields: dict, *, seen: str = "was started with",
+                          fix: str = "start every process with the same --config, --config.* "
+                                     "flags and --workdir") -> None:
+    """Raises ValueError (on every process, with the same message) when a process has
+    other `fields` ({name: JSON-able value}) than process 0 ("process 1 <seen> k=v but
+    process 0 with w; <fix>."): processes running different steps, layouts or learning
+    rates would fail in a mismatched collective, hang, or train their replicas apart
+    silently."""
+    everyone = allgather_json(fields)
+    diffs = [(i, k) for i, other in enumerate(everyone[1:], 1)
+             for k in sorted(set(other) | set(everyone[0])) if other.get(k) != everyone[0].get(k)]
+    if diffs:
+        i, k = diffs[0]
+        more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
+        raise ValueError(f"process {i} {seen} {k}={everyone[i].get(k)!r} but process 0 "
+                         f"with {everyone[0].get(k)!r}{more}; {fix}.")

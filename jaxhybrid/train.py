@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -69,18 +70,22 @@ def compile_ahead(run: Run, t, train_step, masks, layer_shapes, rng) -> None:
     """Compiles `train_step` for the state `initial_state` will build, from the layers'
     variable shapes alone (`Pipeline.init_layer_shapes`): jax keeps the compiled step,
     and the first call with real values (the same shapes and shardings) runs it."""
-    pipe = run.pipe
-    pipe.set_layer_shapes(layer_shapes)
-    variables = pipe.abstract_variables()
-    opt_init, shardings = _optimizer_init(pipe, t, variables["params"], masks)
-    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             jax.eval_shape(opt_init, variables["params"]), shardings)
+    run.pipe.set_layer_shapes(layer_shapes)
     batch = data.batch_sharding(run.mesh)
     inputs, targets = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=batch),
         (run.sample_inputs, run.sample_targets))
-    train_step.lower({"variables": variables, "opt_state": opt_state}, masks, inputs, targets,
-                     rng).compile()
+    train_step.lower(abstract_state(run.pipe, t, masks), masks, inputs, targets, rng).compile()
+
+
+def abstract_state(pipe, t, masks) -> dict:
+    """`initial_state`'s result as jax.ShapeDtypeStructs (with shardings), from the
+    layers' shapes (`pipe.set_layer_shapes`) alone."""
+    variables = pipe.abstract_variables()
+    opt_init, shardings = _optimizer_init(pipe, t, variables["params"], masks)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             jax.eval_shape(opt_init, variables["params"]), shardings)
+    return {"variables": variables, "opt_state": opt_state}
 
 
 def make_train_step(run: Run, t):
@@ -141,30 +146,78 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     compile, first step: `jaxhybrid.startup.Phases`) counts from it (default: now)."""
     started = time.time()
     phases = startup.Phases(launched or started)
-    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     workdir = pathlib.Path(workdir).absolute()
+    _check_processes_agree(config, workdir)
+    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
     require(not workdir.exists() or workdir.is_dir(),
              f"workdir {workdir} is a file; pass a directory (it is created if missing).")
     # Else orbax fails only at the first save, after training, with pages of traceback.
     require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
             f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
             f"checkpoints in that directory).")
+    _check_writable(workdir)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
-    begun = _begin(run, config, workdir, phases, main)
+    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     writer = None
     try:
+        _check_processes_see_one_checkpoint(ckpt)
+        begun = _begin(run, config, phases, main, ckpt)
         if main:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
             writer = MetricWriter(workdir, begun.start)
         final = _train_steps(begun, config, workdir, phases, writer)
     finally:
-        begun.ckpt.close()
+        ckpt.close()
         if writer is not None:
             writer.close()
     final["wall_time_s"] = time.time() - started
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _check_writable(workdir: pathlib.Path) -> None:
+    """A workdir (or the folder it would be made in) that cannot be written failed with
+    an OSError traceback when config.json was written, after planning and compiling."""
+    for path in (workdir / "checkpoints", workdir, *workdir.parents):
+        if path.exists():
+            require(os.access(path, os.W_OK | os.X_OK),
+                    f"workdir: {path} is not writable (a read-only file system or no "
+                    f"permission); pass a --workdir this process can write to.")
+            return
+
+
+def _check_processes_agree(config, workdir: pathlib.Path) -> None:
+    """Several processes: every one must run process 0's config in process 0's workdir
+    (ConfigError on all of them, naming the first difference). A process started with
+    other flags failed in a mismatched collective (gloo: "Is there a distributed
+    collective mismatch in your code?"), hung, or trained its replicas apart."""
+    if jax.process_count() == 1 or not isinstance(config, ml_collections.ConfigDict):
+        return
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    fields = {"workdir": str(workdir),
+              **dict(flat(json.loads(config.to_json_best_effort(sort_keys=True))))}
+    try:
+        distributed.check_same_everywhere(fields)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+
+
+def _check_processes_see_one_checkpoint(ckpt: checkpoint.Checkpointer) -> None:
+    """Several processes: all must resume from the same step. With the workdir on each
+    host's own disk (the default /tmp/jaxhybrid/<config>), process 0 found its steps and
+    the others none: they trained from other steps in the same collectives, silently."""
+    if jax.process_count() == 1:
+        return
+    try:
+        distributed.check_same_everywhere(
+            {"checkpoint step": ckpt.latest_step()}, seen=f"finds in {ckpt.directory} the",
+            fix="put --workdir on a file system every process sees (the checkpoints are "
+                "written by all of them)")
+    except ValueError as e:
+        raise checkpoint.CheckpointMismatch(f"checkpoint: {e}") from None
 
 
 @dataclasses.dataclass
@@ -181,7 +234,7 @@ class _Begun:
     ckpt: checkpoint.Checkpointer
 
 
-def _begin(run: Run, config, workdir: pathlib.Path, phases, main: bool) -> _Begun:
+def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) -> _Begun:
     """Plan, compile (one process: from the layers' shapes, while the initialiser still
     runs), initialise and restore: the phases of the start-up line."""
     t, pipe = config.train, run.pipe
@@ -190,11 +243,12 @@ def _begin(run: Run, config, workdir: pathlib.Path, phases, main: bool) -> _Begu
     with phases("plan", split_compile=False):
         pipe.make_plan(run.sample_inputs)
     train_step = masks = None
-    # One process: the plan is final, so the step compiles now. (Several processes
-    # first agree on process 0's plan, below.)
+    # One process: the plan is final, so the step compiles now (after the checkpoint to
+    # resume from is found to fit). (Several processes first agree on process 0's plan,
+    # below, and compile at the first step, after the restore.)
     if layer_init is not None and jax.process_count() == 1:
         train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
-                                                        jax.random.fold_in(train_rng, 1))
+                                                        jax.random.fold_in(train_rng, 1), ckpt)
     phases.start("init")                 # parameters, optimizer state, restore
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
@@ -211,7 +265,6 @@ def _begin(run: Run, config, workdir: pathlib.Path, phases, main: bool) -> _Begu
                      jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
     masks = masks or _masks(pipe, t, variables)
     state = initial_state(pipe, t, variables, masks)
-    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     start = 0
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(pipe, state)
@@ -225,14 +278,16 @@ def _begin(run: Run, config, workdir: pathlib.Path, phases, main: bool) -> _Begu
                   ckpt)
 
 
-def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng):
+def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng, ckpt):
     """(The jitted step, the masks), the step compiled from the layers' shapes while the
-    initialiser computes their values on the other thread."""
+    initialiser computes their values on the other thread. A checkpoint in the workdir
+    that does not fit is refused first (it was found only after the compilation)."""
     with phases("init"):
         layer_shapes = layer_init.shapes()
     with phases("compile"):
         run.pipe.set_layer_shapes(layer_shapes)
         masks = _masks(run.pipe, t)
+        ckpt.check(run.pipe, abstract_state(run.pipe, t, masks))
         train_step = make_train_step(run, t)
         if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
             compile_ahead(run, t, train_step, masks, layer_shapes, rng)

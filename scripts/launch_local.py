@@ -81,17 +81,26 @@ def launch(args: argparse.Namespace, script_args: list[str]) -> int:
         t.start()
         threads.append(t)
     failed = None
+
+    def first_failure():
+        # Also after the loop: processes that all failed between two polls (e.g. the
+        # same config error at start-up) ended the loop with the launcher exiting 0.
+        for i, p in enumerate(procs):
+            if p.poll() not in (None, 0):
+                rest = (f"; stopping the others within {args.stop_grace_s:g} s"
+                        if any(q.poll() is None for q in procs) else "")
+                print(f"launch_local: process {i} (pid {p.pid}) {describe(p.returncode)}{rest}",
+                      flush=True)
+                return i, p.returncode, time.monotonic()
+        return None
     try:
         while any(p.poll() is None for p in procs):
-            for i, p in enumerate(procs):
-                if failed is None and p.poll() not in (None, 0):
-                    failed = (i, p.returncode, time.monotonic())
-                    print(f"launch_local: process {i} (pid {p.pid}) {describe(p.returncode)}; "
-                          f"stopping the others within {args.stop_grace_s:g} s", flush=True)
+            failed = failed or first_failure()
             if failed is not None and time.monotonic() - failed[2] > args.stop_grace_s:
                 _stop(procs)
                 break
             time.sleep(0.2)
+        failed = failed or first_failure()
     except KeyboardInterrupt:
         print("launch_local: interrupted; stopping every process", flush=True)
         _stop(procs)

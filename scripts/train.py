@@ -154,7 +154,8 @@ def main(argv):
                  jax.process_index(), jax.process_count())
     try:
         result = train.train_and_evaluate(_CONFIG.value, workdir, launched=_LAUNCHED)
-    except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch) as e:
+    except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch,
+            checkpoint.CheckpointWriteError) as e:
         sys.exit(f"error: {e}")
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:

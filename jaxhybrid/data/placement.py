@@ -57,6 +57,12 @@ def place_batch(batch: PyTree, mesh: Mesh) -> PyTree:
     sharding = batch_sharding(mesh)
     data_size = mesh.shape[DATA]
     multi_process = jax.process_count() > 1
+    # The data replicas this process holds (a process may hold parts of several when
+    # "pipe" crosses processes, e.g. 3 processes x 2 devices on data=2 x pipe=3): its rows
+    # are that share of the batch. The global shape is given, not inferred: jax infers it
+    # only when every process holds as many rows ("non-uniform sharding" otherwise).
+    replicas = len({index[0] for index, d in np.ndenumerate(mesh.devices)
+                    if d.process_index == jax.process_index()})
 
     def put(x):
         shape = np.shape(x)
@@ -64,7 +70,8 @@ def place_batch(batch: PyTree, mesh: Mesh) -> PyTree:
             raise ValueError("place_batch: a batch leaf is a scalar; every leaf needs a "
                              "leading batch dimension.")
         if multi_process:
-            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+            return jax.make_array_from_process_local_data(
+                sharding, np.asarray(x), (shape[0] * data_size // replicas, *shape[1:]))
         if shape[0] % data_size:
             raise ValueError(f"place_batch: batch dimension {shape[0]} is not divisible by "
                              f"the mesh's data axis ({data_size}); use a batch size that "

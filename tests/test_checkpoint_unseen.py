@@ -1,0 +1,280 @@
+"""Checkpoints and processes used as a researcher who did not write them would: a
+workdir holding another model's or optimizer's checkpoint, a damaged step directory, a
+disk that fills up during a save, and processes started with different flags. Each
+case failed after compiling, failed with pages of traceback, or trained silently on
+the wrong thing before the fixes (docs/training.md, "Checkpoints and processes, tried
+as a new user would").
+
+GPT "tiny" with explicit boundaries (no profiling); one saved run of two steps.
+"""
+import errno
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxhybrid import checkpoint, optim, train
+from jaxhybrid.config_flags import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = {"model.size": "tiny", "mesh.data": 2, "mesh.pipe": 4, "pipeline.num_microbatches": 4,
+         "pipeline.boundaries": (1, 2, 3), "train.batch_size": 16, "train.steps": 2,
+         "train.log_every": 1, "train.eval_every": 0, "train.eval_steps": 1,
+         "data.options.max_bytes": 40_000, "checkpoint.every": 1, "checkpoint.keep": 5}
+
+
+def gpt_config(model=None, **overrides):
+    config = load_config("gpt_hybrid.py", {**SMALL, **overrides})
+    with config.unlocked():
+        config.model.overrides.update(model or {})
+    return config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A workdir with the checkpoints of steps 1 and 2 of `gpt_config()`."""
+    workdir = tmp_path_factory.mktemp("saved")
+    train.train_and_evaluate(gpt_config(), workdir)
+    return workdir
+
+
+def copy_checkpoints(saved, workdir):
+    shutil.copytree(saved / "checkpoints", workdir / "checkpoints")
+    return workdir / "checkpoints"
+
+
+@pytest.mark.parametrize("model,overrides,message", [
+    ({"d_model": 64}, {}, r"\(layers/0/opt/0/wpe was saved with shape \(64, 32\), this model "
+                          r"has \(64, 64\)\)"),
+    ({"num_layers": 3}, {}, r"\(the checkpoint has 4 layers, this model 5\)"),
+    ({}, {"train.optimizer": "sgd"}, r"\(the checkpoint has 2 optimizer slots per parameter, "
+                                     r"this optimizer 1: another train.optimizer"),
+])
+def test_another_models_checkpoint_is_refused_before_compiling(saved, tmp_path, monkeypatch,
+                                                                model, overrides, message):
+    """The refusal came after the step had compiled (minutes for a large model) and
+    said only "tree structures do not match" or orbax's shape message; it now comes from
+    the checkpoint's metadata before any compilation and names the difference."""
+    copy_checkpoints(saved, tmp_path)
+    compiled = []
+    monkeypatch.setattr(train, "compile_ahead", lambda *a, **k: compiled.append(a))
+    with pytest.raises(checkpoint.CheckpointMismatch, match=message) as e:
+        train.train_and_evaluate(gpt_config(model, **{"train.steps": 3, **overrides}), tmp_path)
+    assert "\n" not in str(e.value) and "step 2" in str(e.value)
+    assert compiled == []
+
+
+def restorer(config):
+    """restore(directory) -> (state, meta) of its latest step, for `config`'s pipeline."""
+    run = train.prepare(config)
+    variables = run.pipe.init(jax.random.key(0), run.sample_inputs)
+    tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
+    template = {"variables": variables, "opt_state": tx.init(variables["params"])}
+
+    def restore(directory):
+        checkpointer = checkpoint.Checkpointer(directory, keep=5)
+        try:
+            return checkpointer.restore(run.pipe, template)
+        finally:
+            checkpointer.close()
+    return restore
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(saved, tmp_path):
+    """A truncated data file (a copy cut short, a disk error) raised tensorstore's plain
+    Exception with a page of spec JSON; a garbled meta file said "does not fit this
+    model". Both now say the step cannot be read and name the step to resume from."""
+    directory = copy_checkpoints(saved, tmp_path)
+    step = directory / "2" / "state"
+    for f in step.rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:100])
+    restore = restorer(gpt_config())
+    pattern = (r"^checkpoint: step 2 in .* cannot be read \(.+\): it is incomplete or "
+               r"damaged; move it away to resume from step 1\.$")
+    with pytest.raises(checkpoint.CheckpointMismatch, match=pattern) as e:
+        restore(directory)
+    assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+    assert len(str(e.value)) < 400
+    shutil.rmtree(directory / "2")
+    shutil.copytree(saved / "checkpoints" / "2", directory / "2")
+    (directory / "2" / "meta" / "metadata").write_text("{garbage")
+    with pytest.raises(checkpoint.CheckpointMismatch, match=pattern):
+        restore(directory)
+    shutil.rmtree(directory / "2")
+    _, meta = restore(directory)       # the older step still restores
+    assert meta["step"] == 1
+
+
+def test_a_full_disk_ends_the_run_in_one_line_naming_the_last_checkpoint(tmp_path,
+                                                                         monkeypatch):
+    """Orbax reports a failed asynchronous write (no space left) at the next save, as
+    pages of traceback from its save thread; it is now one line naming the directory,
+    the cause and the last complete checkpoint."""
+    save, calls = ocp.CheckpointManager.save, []
+
+    def full_after_the_first(self, step, *args, **kwargs):
+        calls.append(step)
+        if len(calls) > 1:          # orbax waits for the previous save, then fails
+            self.wait_until_finished()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, step, *args, **kwargs)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_the_first)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"^checkpoint: writing to .*checkpoints failed \(.*No space left "
+                             r"on device\); free space there .*last complete checkpoint: "
+                             r"step 1\)\.$") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_read_only_workdir_is_refused_before_planning(tmp_path, monkeypatch):
+    """A workdir on a read-only file system (tried with a read-only bind mount) failed
+    with an OSError traceback when config.json was written, after planning, compiling
+    and restoring. Here the folder it would be made in reads as not writable (root
+    writes through permission bits, so no chmod)."""
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: (
+        False if pathlib.Path(path) == tmp_path else access(path, mode, *a, **k)))
+    with pytest.raises(train.ConfigError, match=rf"^workdir: {tmp_path} is not writable "
+                                                r"\(a read-only file system or no "
+                                                r"permission\); pass a --workdir") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path / "w")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w").exists()
+
+
+WRAPPER = '''
+import os, runpy, sys
+extra = os.environ.get("EXTRA_FLAGS_%s" % os.environ["JAX_PROCESS_ID"], "")
+sys.argv = [{train!r}, *sys.argv[1:], *extra.split()]
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_processes_started_with_different_flags_stop_with_one_error(tmp_path):
+    """Process 1 with another learning rate trained silently (its data replica apart
+    from process 0's, into the same checkpoint); with another train.steps it died in a
+    mismatched gloo collective. Now every process stops before the workdir is touched,
+    naming the first differing field."""
+    script = tmp_path / "per_process.py"
+    script.write_text(WRAPPER.format(train=str(ROOT / "scripts" / "train.py")))
+    args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+            for k, v in SMALL.items()]
+    env = {**os.environ, "EXTRA_FLAGS_1": "--config.train.learning_rate=0.01"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=20", f"--script={script}", "--",
+           "--config=gpt_hybrid.py", f"--workdir={tmp_path / 'w'}", "--cache_dir=",
+           "--heartbeat_timeout=10", "--initialization_timeout=60", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    line = ("error: config: process 1 was started with train.learning_rate=0.01 but process "
+            "0 with 0.002; start every process with the same --config, --config.* flags and "
+            "--workdir.")
+    for i in (0, 1):
+        assert f"[{i}] {line}" in text, text[-3000:]
+    assert not (tmp_path / "w").exists()
+
+
+HIDDEN = '''
+import os, runpy, sys
+if os.environ["JAX_PROCESS_ID"] == "1":    # a host whose own disk holds no checkpoint
+    import orbax.checkpoint as ocp
+    ocp.CheckpointManager.latest_step = lambda self: None
+sys.argv = [{train!r}, *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_processes_that_see_different_checkpoints_stop_with_one_error(saved, tmp_path):
+    """The workdir on each host's own disk (the default is under /tmp): process 0 found
+    step 2 and resumed there, process 1 found none and started at step 1, and both went
+    on in the same collectives (the replicas trained from different states). Now every
+    process stops, naming the steps and the fix."""
+    copy_checkpoints(saved, tmp_path / "w")
+    script = tmp_path / "hidden.py"
+    script.write_text(HIDDEN.format(train=str(ROOT / "scripts" / "train.py")))
+    args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+            for k, v in {**SMALL, "train.steps": 3}.items()]
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=20", f"--script={script}", "--",
+           "--config=gpt_hybrid.py", f"--workdir={tmp_path / 'w'}", "--cache_dir=",
+           "--heartbeat_timeout=10", "--initialization_timeout=60", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode != 0
+    line = (f"error: checkpoint: process 1 finds in {tmp_path / 'w' / 'checkpoints'} the "
+            f"checkpoint step=None but process 0 with 2; put --workdir on a file system "
+            f"every process sees")
+    for i in (0, 1):
+        assert f"[{i}] {line}" in out.stdout, out.stdout[-3000:]
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_launcher_fails_when_every_process_fails_at_once(tmp_path):
+    """Processes that all exited non-zero between two of the launcher's polls (the same
+    error at start-up) ended its loop with no failure seen: it exited 0."""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"),
+                          "--processes=3", f"--script={script}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stdout
+    assert "launch_local: process 0 (pid" in out.stdout and "exited with code 3" in out.stdout
+
+
+def test_a_process_whose_peer_never_starts_says_what_it_waited_for(tmp_path):
+    """Process 0 of 2 alone: jax aborts it from C++ after --initialization_timeout with
+    "DEADLINE_EXCEEDED ... RegisterTask" and "most likely indicates that another task
+    died"; nothing of ours said which processes it waited for, where, or how long."""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+           "JAX_COORDINATOR_ADDRESS": "localhost:1", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"),
+                          "--initialization_timeout=1", f"--workdir={tmp_path / 'w'}",
+                          "--cache_dir="], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert ("distributed: process 1 of 2 joining localhost:1; waiting up to 1 s for every "
+            "process to start") in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "w").exists()
+
+
+PLACE = '''
+import sys
+sys.path.insert(0, {root!r})
+from jaxhybrid import distributed
+distributed.initialize()
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from jaxhybrid import data, make_mesh
+mesh = make_mesh(data=2, pipe=3)
+rows = data.process_rows(mesh, 12)
+x = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
+placed = data.place_batch((x[rows],), mesh)[0]
+whole = multihost_utils.process_allgather(placed, tiled=True)
+assert placed.shape == (12, 3) and np.array_equal(whole, x), (placed.shape, whole)
+print("placed", jax.process_index(), rows, flush=True)
+'''
+
+
+def test_a_process_holding_parts_of_two_data_replicas_places_its_rows(tmp_path):
+    """3 processes x 2 devices on data=2 x pipe=3: process 1 holds a device of each data
+    replica, so it loads all 12 rows while the others load 6. The run planned, compiled
+    and then failed at the first batch with "Unable to compute global_shape due to
+    non-uniform sharding" (a traceback on every process); the global shape is now given.
+    (A 2-step training on this layout then gives the 1-process losses bit for bit.)"""
+    script = tmp_path / "place.py"
+    script.write_text(PLACE.format(root=str(ROOT)))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"),
+                          "--processes=3", "--devices_per_process=2", "--stop_grace_s=20",
+                          f"--script={script}"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:]
+    for i, rows in ((0, "slice(0, 6, None)"), (1, "slice(0, 12, None)"),
+                    (2, "slice(6, 12, None)")):
+        assert f"[{i}] placed {i} {rows}" in out.stdout, out.stdout[-3000:]
