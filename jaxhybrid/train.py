@@ -66,16 +66,15 @@ def _optimizer_init(pipe, t, params, masks):
                                                     params, zero=pipe.zero)
 
 
-def compile_ahead(run: Run, t, train_step, masks, layer_shapes, rng) -> None:
-    """Compiles `train_step` for the state `initial_state` will build, from the layers'
-    variable shapes alone (`Pipeline.init_layer_shapes`): jax keeps the compiled step,
-    and the first call with real values (the same shapes and shardings) runs it."""
-    run.pipe.set_layer_shapes(layer_shapes)
+def compile_ahead(run: Run, train_step, state: dict, masks, rng) -> None:
+    """Compiles `train_step` for the state `initial_state` will build, given as its
+    `abstract_state` (from the layers' variable shapes alone): jax keeps the compiled
+    step, and the first call with real values (the same shapes and shardings) runs it."""
     batch = data.batch_sharding(run.mesh)
     inputs, targets = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=batch),
         (run.sample_inputs, run.sample_targets))
-    train_step.lower(abstract_state(run.pipe, t, masks), masks, inputs, targets, rng).compile()
+    train_step.lower(state, masks, inputs, targets, rng).compile()
 
 
 def abstract_state(pipe, t, masks) -> dict:
@@ -287,10 +286,11 @@ def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, r
     with phases("compile"):
         run.pipe.set_layer_shapes(layer_shapes)
         masks = _masks(run.pipe, t)
-        ckpt.check(run.pipe, abstract_state(run.pipe, t, masks))
+        state = abstract_state(run.pipe, t, masks)   # built once: the check and the compile
+        ckpt.check(run.pipe, state)
         train_step = make_train_step(run, t)
         if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
-            compile_ahead(run, t, train_step, masks, layer_shapes, rng)
+            compile_ahead(run, train_step, state, masks, rng)
     return train_step, masks
 
 
