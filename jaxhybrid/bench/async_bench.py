@@ -46,6 +46,7 @@ from absl import flags
 
 from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import data, models, startup, train
+from jaxhybrid.boundaries import even_boundaries
 from jaxhybrid.config_flags import load_config
 from jaxhybrid.metrics import evaluate
 from jaxhybrid.pipeline import packing, tables
@@ -143,11 +144,12 @@ def run_config(task: str, S: int, run: Run, examples: int):
     return config, updates
 
 
-def even_boundaries(config, S: int) -> tuple:
-    """Even cuts over the layers (no planner profiling: the same split for every run)."""
+def even_cuts(config, S: int) -> tuple:
+    """`boundaries.even_boundaries` over the config's layers (no planner profiling: the
+    same split for every run)."""
     L = len(models.get_model(config.model.name, config.model.size,
                              **config.model.overrides.to_dict()).layers)
-    return tuple(round(i * L / S) for i in range(1, S))
+    return tuple(even_boundaries(L, S))
 
 
 def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
@@ -178,7 +180,7 @@ def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
 def run_one(task: str, S: int, name: str, examples: int) -> dict:
     run = resolve(name, S)
     config, updates = run_config(task, S, run, examples)
-    bounds = even_boundaries(config, S)
+    bounds = even_cuts(config, S)
     config.pipeline.boundaries = bounds
     t = config.train
     prepared = train.prepare(config)
@@ -271,7 +273,7 @@ def print_saved(path: str) -> None:
             run = resolve(r["schedule"], r["S"])
             config, _ = run_config(r["task"], r["S"], run, r["examples"])
             r["gpu_call"], r["gpu_stream"] = gpu_prediction(config, r["S"], run,
-                                                            even_boundaries(config, r["S"]))
+                                                            even_cuts(config, r["S"]))
             rows.append(r)
             print(format_row(r, rows) + f"   # seed {r.get('seed', 0)}, load {r['load']:.1f}"
                   + (f", {r['host']}" if "host" in r else ""))
