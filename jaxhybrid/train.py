@@ -66,15 +66,53 @@ def _optimizer_init(pipe, t, params, masks):
                                                     params, zero=pipe.zero)
 
 
-def compile_ahead(run: Run, train_step, state: dict, masks, rng) -> None:
+def compile_ahead(run: Run, train_step, state: dict, masks, rng):
     """Compiles `train_step` for the state `initial_state` will build, given as its
     `abstract_state` (from the layers' variable shapes alone): jax keeps the compiled
-    step, and the first call with real values (the same shapes and shardings) runs it."""
+    step, and the first call with real values (the same shapes and shardings) runs it.
+    Returns the compiled step (for its `memory_analysis`)."""
     batch = data.batch_sharding(run.mesh)
     inputs, targets = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=batch),
         (run.sample_inputs, run.sample_targets))
-    train_step.lower(state, masks, inputs, targets, rng).compile()
+    return train_step.lower(state, masks, inputs, targets, rng).compile()
+
+
+def check_step_memory(compiled, budget, planned: float | None, limit: float | None) -> str:
+    """The compiled step's bytes per device (`memory_analysis`: arguments + outputs +
+    temporaries - aliased) against the device's memory `limit` (ConfigError: the first
+    step would fail to allocate), and against `pipeline.memory_budget` (a warning: the
+    planner's model, `planned` bytes, fell short of this step); returns the log line."""
+    from jaxhybrid.plan.topology import fmt_bytes, parse_bytes
+    try:
+        ma = compiled.memory_analysis()
+        need = float(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                     + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+    except Exception:   # a backend without memory analysis: nothing to check
+        return "memory per device: not reported by this backend"
+    line = f"memory per device: the compiled step needs {fmt_bytes(need)}" + (
+        f" (the planner's model: {fmt_bytes(planned)})" if planned else "")
+    fix = ("set pipeline.remat='full' (recompute every stage), or use more pipeline stages "
+           "or smaller microbatches (more of them)")
+    if limit and need > limit:
+        raise ConfigError(f"the compiled training step needs {fmt_bytes(need)} per device, more "
+                          f"than the device's {fmt_bytes(limit)}; {fix}.")
+    if budget is not None and need > parse_bytes(budget):
+        logging.warning("the compiled step needs %s per device, over pipeline.memory_budget=%s "
+                        "(the planner's model: %s); lower the budget by %s to have the planner "
+                        "recompute more, or %s.", fmt_bytes(need), budget,
+                        fmt_bytes(planned) if planned else "not planned",
+                        fmt_bytes(need - parse_bytes(budget)), fix)
+    return line
+
+
+def device_memory_limit() -> float | None:
+    """Bytes one local device can allocate (a GPU's `bytes_limit`), or None (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:   # no memory statistics on this backend
+        return None
+    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
 def abstract_state(pipe, t, masks) -> dict:
@@ -247,7 +285,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     # below, and compile at the first step, after the restore.)
     if layer_init is not None and jax.process_count() == 1:
         train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
-                                                        jax.random.fold_in(train_rng, 1), ckpt)
+                                                        jax.random.fold_in(train_rng, 1), ckpt,
+                                                        config.pipeline)
     phases.start("init")                 # parameters, optimizer state, restore
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
@@ -277,10 +316,12 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
                   ckpt)
 
 
-def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng, ckpt):
+def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng, ckpt, p):
     """(The jitted step, the masks), the step compiled from the layers' shapes while the
     initialiser computes their values on the other thread. A checkpoint in the workdir
-    that does not fit is refused first (it was found only after the compilation)."""
+    that does not fit is refused first (it was found only after the compilation); a step
+    that cannot fit the device's memory after it (`check_step_memory`; p: the config's
+    pipeline section)."""
     with phases("init"):
         layer_shapes = layer_init.shapes()
     with phases("compile"):
@@ -290,7 +331,11 @@ def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, r
         ckpt.check(run.pipe, state)
         train_step = make_train_step(run, t)
         if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
-            compile_ahead(run, train_step, state, masks, rng)
+            compiled = compile_ahead(run, train_step, state, masks, rng)
+            planned = (run.pipe.plan.device_memory
+                       if p.boundaries is None or p.memory_budget is not None else None)
+            logging.info(check_step_memory(compiled, p.memory_budget, planned,
+                                           device_memory_limit()))
     return train_step, masks
 
 

@@ -248,17 +248,22 @@ def test_train_step_compiles_once_before_the_layers_are_initialised(tmp_path, ca
         "pipeline.boundaries": (1, 2, 3), "train.batch_size": 8, "train.steps": 1,
         "train.eval_every": 0, "train.eval_steps": 1, "data.options.max_bytes": 20_000,
         **overrides})
-    order = []
-    real_ahead, real_step = train.compile_ahead, train.make_train_step
+    order, memory = [], []
+    real_ahead, real_step, real_check = (train.compile_ahead, train.make_train_step,
+                                         train.check_step_memory)
     ahead = lambda *a, **k: order.append("compile_ahead") or real_ahead(*a, **k)
     made = lambda *a, **k: order.append("make_train_step") or real_step(*a, **k)
+    check = lambda *a, **k: memory.append(real_check(*a, **k)) or memory[-1]
     with pytest.MonkeyPatch.context() as mp, jax.log_compiles(True), \
             caplog.at_level("WARNING", logger="jax._src.dispatch"):
         mp.setattr(train, "compile_ahead", ahead)
         mp.setattr(train, "make_train_step", made)
+        mp.setattr(train, "check_step_memory", check)
         final = train.train_and_evaluate(config, tmp_path)
     assert final["step"] == 1 and np.isfinite(final["train_loss"])
     assert order == ["make_train_step", "compile_ahead"]
+    # The compiled step's memory is read (and checked) before the first step.
+    assert len(memory) == 1 and memory[0].startswith("memory per device: the compiled step needs")
     logs = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("Finished tracing train_step") for m in logs) == 1
     assert sum(m.startswith("Finished XLA compilation of jit(train_step)") for m in logs) == 1
