@@ -25,10 +25,11 @@ def _output_branch(eng: Engine, lay: StageLayouts, k: int, train: bool, has_rng:
     K, stage = len(eng.stages), eng.stages[k]
     out_len = lay.act[K].size_of
 
-    def run(p_bufs, st_bufs, act_row, x_raw, gmb, rng):
+    def run(p_bufs, st_bufs, act_in, inputs, slot, m, gmb, rng):
         params = packing.unpack(stage.params, p_bufs)
         state = {c: packing.unpack(l, st_bufs[c]) for c, l in stage.state.items()}
-        x = x_raw if k == 0 else packing.unpack(lay.act[k], act_row)
+        # What the stage reads, read here (`runtime.forward_branch`).
+        x = _take(inputs, m) if k == 0 else packing.unpack(lay.act[k], _row(act_in, slot))
         y, _ = stage.apply(params, state, x, train=train, rng=rng if has_rng else None,
                            microbatch=gmb)
         if k == K - 1:
@@ -44,7 +45,7 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
     K, M = len(eng.stages), eng.num_microbatches
     out_len = lay.act[K].size_of
 
-    def idle(p_bufs, st_bufs, act_row, x_raw, gmb, rng):
+    def idle(p_bufs, st_bufs, act_in, inputs, slot, m, gmb, rng):
         return packing.zeros(lay.act_len), packing.zeros(out_len)
 
     branches = [idle] + [_output_branch(eng, lay, k, train, has_rng) for k in range(K)]
@@ -60,8 +61,7 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
             row = table[t, s]
             k, m = row[COL["f_stage"]], jnp.maximum(row[COL["f_mb"]], 0)
             act, out = lax.switch(jnp.where(k >= 0, k + 1, 0), branches, p_bufs, st_bufs,
-                                  _row(c["act_in"], row[COL["f_act"]]), _take(inputs, m),
-                                  d * M + m, rng)
+                                  c["act_in"], inputs, row[COL["f_act"]], m, d * M + m, rng)
             box = _set_row(c["out"], jnp.where(k == K - 1, m, M), out)
             act_in = c["act_in"]
             for i, ch in enumerate(ctl.act_channels):
