@@ -93,19 +93,24 @@ def stat_curve():
     """The statistical-efficiency curve the flags ask for (None: the model's default)."""
     from jaxhybrid.plan import stat_efficiency as se
     default = se.MODEL_DEFAULTS.get(FLAGS.model)
-    dataset = FLAGS.dataset_size or (default.dataset_size if default else None)
+    given = {f: getattr(FLAGS, f) for f in ("b_noise", "e_min", "max_batch", "dataset_size")
+             if getattr(FLAGS, f) is not None}     # 0 is a value (refused below), not "unset"
+    for f, v in given.items():
+        if not v > 0:
+            raise ValueError(f"--{f}={v:g} must be > 0 (leave it out for the default).")
+    dataset = given.get("dataset_size", default.dataset_size if default else None)
     if FLAGS.stat_points:
-        if FLAGS.b_noise or FLAGS.e_min:
+        if "b_noise" in given or "e_min" in given:
             raise ValueError("--stat_points fits B_noise and E_min; drop --b_noise/--e_min.")
         return se.fit(_points(FLAGS.stat_points), dataset_size=dataset, kind=FLAGS.stat_kind,
                       max_batch=FLAGS.max_batch, name=f"{FLAGS.model}/fit")
-    if FLAGS.b_noise or FLAGS.e_min or FLAGS.max_batch or FLAGS.dataset_size:
+    if given:
         if default is None:
             raise ValueError(f"--b_noise/--e_min/--max_batch modify a default curve; "
                              f"{FLAGS.model!r} has none: pass --stat_points.")
         return se.StatEfficiency.from_epochs(
-            FLAGS.e_min or default.e_min, FLAGS.b_noise or default.b_noise, dataset,
-            max_batch=FLAGS.max_batch or default.max_batch, name=default.name,
+            given.get("e_min", default.e_min), given.get("b_noise", default.b_noise), dataset,
+            max_batch=given.get("max_batch", default.max_batch), name=default.name,
             source="command line")
     if default is None:
         raise ValueError(f"no statistical-efficiency default for {FLAGS.model!r}; pass "

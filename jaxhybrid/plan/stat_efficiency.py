@@ -125,24 +125,37 @@ def fit(points: Iterable[Sequence[float]], *, dataset_size: float | None = None,
         if np.linalg.matrix_rank(A) < 2:
             return None
         (a, c), *_ = np.linalg.lstsq(A, y, rcond=None)
+        # Rounding: steps that do not fall at all give S_min B_noise = -1e-12, not 0.
+        c = 0.0 if -1e-9 * y.max() * batch.min() < c < 0 else c
         sse = float(((A @ [a, c] - y) ** 2).sum())
         return a, c, sse
 
     if max_batch == "auto":
         candidates = [None] + sorted(set(batch.tolist()))
-    elif max_batch is None or isinstance(max_batch, (int, float)):
+    elif max_batch is None or (isinstance(max_batch, (int, float, np.number))
+                               and not isinstance(max_batch, (bool, np.bool_))
+                               and max_batch > 0 and math.isfinite(max_batch)):
         candidates = [max_batch]
+        if max_batch is not None and max_batch <= batch.min():
+            raise ValueError(f"fit: max_batch={max_batch:g} is at or below every measured batch "
+                             f"(smallest {batch.min():g}): all points sit past the cap, nothing "
+                             f"to fit; give a larger max_batch, 'auto' or None.")
     else:
-        raise ValueError(f"fit: max_batch={max_batch!r} must be None, a number or 'auto'.")
+        raise ValueError(f"fit: max_batch={max_batch!r} must be None, a number > 0 or 'auto'.")
     best = None
     for cap in candidates:
         r = solve(cap)
-        if r is None or r[0] <= 0 or r[1] < 0:
+        if r is None or r[0] <= 1e-9 * y.max() or r[1] < 0:
             continue
         if best is None or r[2] < best[1][2] * (1 - 1e-9) - 1e-12:
             best = (cap, r)
     if best is None:
         a, c, _ = solve(candidates[0]) or (float("nan"), float("nan"), 0)
+        if c > 0 and a <= 1e-9 * y.max():
+            raise ValueError(f"fit: steps fall as fast as 1 / B or faster over the measured "
+                             f"batches (fitted S_min={a:.4g} <= 0): they do not bound B_noise; "
+                             f"add a point at a larger batch, where steps stop halving, or set "
+                             f"B_noise yourself (StatEfficiency.from_epochs, --b_noise).")
         raise ValueError(f"fit: points do not follow steps = S_min (1 + B_noise / B) "
                          f"(fitted S_min={a:.4g}, S_min*B_noise={c:.4g}; both must be >= 0 "
                          f"and S_min > 0): steps should fall as the batch grows.")
