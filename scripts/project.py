@@ -24,6 +24,7 @@ Statistical efficiency: the model's documented default, modified by --e_min / --
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -130,6 +131,11 @@ def main(argv):
             raise ValueError(f"--zero={','.join(map(str, FLAGS.zero))}: ZeRO settings are 0 "
                              f"(replicated optimizer state) and 1 (sharded over data), e.g. "
                              f"--zero=0,1.")
+        path = (FLAGS.out if FLAGS.out is not None
+                else f"projection_{FLAGS.model}_{FLAGS.hardware}.png")
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"--out={path}: directory {os.path.dirname(path)!r} does not exist; "
+                             f"create it or pass --out= for no PNG.")
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile
@@ -150,7 +156,6 @@ def main(argv):
         print(json.dumps(out, indent=1))
     else:
         print(proj.table())
-    path = FLAGS.out if FLAGS.out is not None else f"projection_{FLAGS.model}_{proj.hardware}.png"
     if path:
         proj.plot(path)
         print(f"wrote {path}", file=sys.stderr)

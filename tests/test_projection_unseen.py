@@ -2,9 +2,11 @@
 authors did not write: odd device counts, every schedule kind, hand-built costs, slow
 inter-node links, odd statistical-efficiency points, bad flags (docs/projection.md,
 "Tried on inputs nobody here wrote"). Pure numpy except the script runs."""
+import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -161,6 +163,8 @@ def test_script_flags_zero_values_and_schedules():
     assert bad.returncode != 0 and "e_min=0" in bad.stderr and "Traceback" not in bad.stderr
     bad = _run("--model=gnmt", "--devices=8", "--model_degrees=3")   # was: an empty table
     assert bad.returncode != 0 and "N=8" in bad.stderr and "Traceback" not in bad.stderr
+    bad = _run("--model=gnmt", "--devices=8", "--out=/nonexistent/p.png")   # was: after the work
+    assert bad.returncode != 0 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
     bad = _run("--model=gnmt", "--devices=8", "--schedules=1f1b,pipedream")
     assert bad.returncode != 0 and "asynchronous" in bad.stderr and "Traceback" not in bad.stderr
     ok = _run("--model=gnmt", "--devices=6,12", "--schedules=interleaved,zbv,zb-h1", "--json",
@@ -189,3 +193,17 @@ def test_model_groups_that_straddle_nodes_use_the_network():
     a = hybrid.step_time(c * 4, slow, data=1, pipe=2, model=3, num_microbatches=1, per_worker_batch=1)
     b = hybrid.step_time(c * 4, slow, data=2, pipe=2, model=3, num_microbatches=1, per_worker_batch=1)
     assert b.model_time > 100 * a.model_time      # data 2: the second replica's groups cross
+
+
+def test_nothing_fits_says_why():
+    # The reason quoted the memory without recomputation as what is needed "even with
+    # recomputation"; the table showed only "-" where nothing fits.
+    costs = [dataclasses.replace(c, saved_bytes=50 * c.saved_bytes)
+             for c in synth(4, params=1000, act=10_000_000)]
+    h = hw(memory=0.3e9, memory_fraction=1.0)
+    est = hybrid.step_time(costs, h, data=1, pipe=1, num_microbatches=1, per_worker_batch=1)
+    assert not est.feasible
+    need, full = (float(x) for x in re.findall(r"([\d.]+) GB", est.reason)[:2])
+    assert full < need / 5 and "with every layer recomputed" in est.reason
+    proj = hybrid.search(costs, h, STAT, devices=[2], per_worker_batch=1)
+    assert "nothing fits of 2 configs; e.g. 1x2 M=1: needs" in proj.table()

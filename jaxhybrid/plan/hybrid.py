@@ -293,8 +293,9 @@ def _fit_memory(engine_costs, cuts, mem_sched, usable: float, shard: dict):
     try:
         flags = choose_remat_spmd(engine_costs, cuts, mem_sched, usable, **shard)
     except MemoryBudgetError:
-        return (f"needs {device / 1e9:.3g} GB per device > {usable / 1e9:.3g} GB usable even "
-                f"with recomputation")
+        full = spmd_memory(engine_costs, cuts, mem_sched, [True] * len(flags), **shard)[1]
+        least = f" ({full / 1e9:.3g} GB with every layer recomputed)" if full < device else ""
+        return f"needs {device / 1e9:.3g} GB per device{least} > {usable / 1e9:.3g} GB usable"
     return flags, spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)[0]
 
 
@@ -391,10 +392,13 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
                          f"per-worker batch {b}.")
     model_degrees, zero = sorted(set(model_degrees)), sorted(set(zero))
     schedules = [synchronous(s) for s in dict.fromkeys(schedules)]
-    if (not schedules or not model_degrees or min(model_degrees) < 1 or not zero
-            or not set(zero) <= {0, 1} or (max_pipe is not None and max_pipe < 1)):
-        raise ValueError(f"search: schedules={schedules}, model_degrees={model_degrees} (>= 1), "
-                         f"zero={zero} (0, 1) and max_pipe={max_pipe} (>= 1) must be non-empty.")
+    for name, value, ok, want in (
+            ("schedules", schedules, schedules, "at least one"),
+            ("model_degrees", model_degrees, model_degrees and model_degrees[0] >= 1, "ints >= 1"),
+            ("zero", zero, zero and set(zero) <= {0, 1}, "0 and/or 1"),
+            ("max_pipe", max_pipe, max_pipe is None or max_pipe >= 1, "None or >= 1")):
+        if not ok:
+            raise ValueError(f"search: {name}={value!r} must be {want}.")
     layouts = {n: [(t, p, z) for t in model_degrees if n % t == 0 for p in divisors(n // t)
                    for z in zero if p <= min(L, max_pipe or L) and not (z and n == t * p)]
                for n in devices}
