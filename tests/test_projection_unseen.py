@@ -148,6 +148,12 @@ def test_fit_errors_name_the_problem():
             fit(p)
     with pytest.raises(ValueError, match="steps should fall"):
         fit([(64, 100), (128, 200), (256, 400)])
+    # An infinite cap or dataset wrote "Infinity" into the JSON (not JSON) or crashed
+    # in ceil(D / B); both are refused where the curve is made.
+    with pytest.raises(ValueError, match="max_batch=inf must be a finite number"):
+        StatEfficiency(100.0, 1000.0, max_batch=math.inf)
+    with pytest.raises(ValueError, match="dataset_size=inf must be a finite number"):
+        StatEfficiency(100.0, 1000.0, dataset_size=math.inf)
 
 
 # --- scripts/project.py --------------------------------------------------------------

@@ -42,10 +42,12 @@ class StatEfficiency:
             raise ValueError(f"StatEfficiency: s_min={self.s_min} must be a finite number > 0.")
         if not (self.b_noise >= 0 and math.isfinite(self.b_noise)):
             raise ValueError(f"StatEfficiency: b_noise={self.b_noise} must be a finite number >= 0.")
-        if self.dataset_size is not None and not self.dataset_size > 0:
-            raise ValueError(f"StatEfficiency: dataset_size={self.dataset_size} must be > 0.")
-        if self.max_batch is not None and not self.max_batch > 0:
-            raise ValueError(f"StatEfficiency: max_batch={self.max_batch} must be > 0 or None.")
+        if self.dataset_size is not None and not 0 < self.dataset_size < math.inf:
+            raise ValueError(f"StatEfficiency: dataset_size={self.dataset_size} must be a finite "
+                             f"number > 0.")
+        if self.max_batch is not None and not 0 < self.max_batch < math.inf:
+            raise ValueError(f"StatEfficiency: max_batch={self.max_batch} must be a finite number "
+                             f"> 0, or None for no cap.")
 
     @classmethod
     def from_epochs(cls, e_min: float, b_noise: float, dataset_size: float, **kw) -> "StatEfficiency":
