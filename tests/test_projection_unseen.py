@@ -213,3 +213,16 @@ def test_nothing_fits_says_why():
     assert full < need / 5 and "with every layer recomputed" in est.reason
     proj = hybrid.search(costs, h, STAT, devices=[2], per_worker_batch=1)
     assert "nothing fits of 2 configs; e.g. 1x2 M=1: needs" in proj.table()
+
+
+def test_custom_hardware_checks():
+    # Accepted before: efficiency=30 (meant 30%) made every layer 100x faster; a
+    # fractional devices_per_node put replicas at fractional node offsets.
+    base = PRESETS["v100_dgx1"]
+    for kw, msg in ((dict(efficiency=30), "efficiency=30 is a fraction"),
+                    (dict(memory_fraction=90), "memory_fraction=90 is a fraction"),
+                    (dict(devices_per_node=8.5), "devices_per_node=8.5 must be an int"),
+                    (dict(devices_per_node=True), "devices_per_node=True must be an int")):
+        with pytest.raises(ValueError, match=msg):
+            base.replace(**kw)
+    assert base.replace(devices_per_node=6, efficiency=1.0).devices_per_node == 6
