@@ -226,3 +226,14 @@ def test_custom_hardware_checks():
         with pytest.raises(ValueError, match=msg):
             base.replace(**kw)
     assert base.replace(devices_per_node=6, efficiency=1.0).devices_per_node == 6
+
+
+def test_fit_weighs_points_by_their_relative_error():
+    # One point 10% off, the smallest batch's (the most steps): absolute residuals let it
+    # move B_noise by 36% (5584 for 4096); relative residuals by 5%.
+    true = StatEfficiency(s_min=1000.0, b_noise=4096.0)
+    batches = [128, 512, 2048, 8192, 32768, 131072]
+    pts = [(b, true.steps(b) * (1.1 if b == 128 else 1.0)) for b in batches]
+    got = fit(pts)
+    assert got.b_noise == pytest.approx(4096.0, rel=0.06)
+    assert got.s_min == pytest.approx(1000.0, rel=0.02)
