@@ -14,31 +14,26 @@ import pytest
 
 from jaxhybrid.plan import hybrid
 from jaxhybrid.plan.costs import LayerCost
-from jaxhybrid.plan.hardware import PRESETS, Hardware
+from jaxhybrid.plan.hardware import PRESETS
 from jaxhybrid.plan.stat_efficiency import StatEfficiency, fit
 from jaxhybrid.schedules import make_schedule
+from test_hybrid import hw as _hw, synth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAT = StatEfficiency.from_epochs(10.0, 2048.0, 1e6)
 
 
-def synth(L=8, flops=1e9, params=1_000_000, act=100_000):
-    return [LayerCost(f"l{i}", 1, flops, 2 * flops, 0.0, 0.0, 4 * params, params, act, act, act,
-                      act, 0.0, 0.0) for i in range(L)]
-
-
 def hw(**kw):
-    base = dict(peak_flops=1e12, mem_bandwidth=1e12, memory=1e12, devices_per_node=8,
-                p2p_bandwidth=1e10, allreduce_bandwidth=1e10, inter_bandwidth=1e10,
-                efficiency=1.0, bytes_scale=1.0)
-    return Hardware("test", **{**base, **kw})
+    """test_hybrid's device with 10 GB/s links."""
+    return _hw(**{**dict(p2p_bandwidth=1e10, allreduce_bandwidth=1e10, inter_bandwidth=1e10), **kw})
 
 
 def _same_as_step_time(proj, costs, h, b):
     """Every row of a search equals `step_time` of its configuration."""
     for r in proj.rows:
-        d = hybrid.step_time(costs, h, data=r.data, pipe=r.pipe, num_microbatches=r.num_microbatches,
-                             per_worker_batch=b, schedule=r.schedule, model=r.model, zero=r.zero)
+        d = hybrid.step_time(costs, h, data=r.data, pipe=r.pipe, per_worker_batch=b,
+                             num_microbatches=r.num_microbatches, schedule=r.schedule,
+                             model=r.model, zero=r.zero)
         assert r.feasible == d.feasible, r.layout
         if r.feasible:
             assert r.step_time == pytest.approx(d.step_time, rel=1e-12), (r.layout, r.schedule)
@@ -63,7 +58,8 @@ def test_dp_rows_with_virtual_stage_schedules():
     for r in proj.rows:
         if r.feasible and r.pipe > 1:
             sched = make_schedule(r.schedule, r.pipe, r.num_microbatches)
-            assert r.bubble_fraction == pytest.approx(sched.bubble_fraction(r.stage_fwd, r.stage_bwd))
+            want = sched.bubble_fraction(r.stage_fwd, r.stage_bwd)
+            assert r.bubble_fraction == pytest.approx(want)
 
 
 @pytest.mark.parametrize("schedule", ["async", "pipedream", "2bw", "spectrain", "pipedream-1t"])
@@ -196,8 +192,9 @@ def test_model_groups_that_straddle_nodes_use_the_network():
     across, _ = hybrid.model_times(c, slow, 3, groups=3)
     assert inside[0] == pytest.approx(2 * 2 / 3 * 3e6 / 1e10 + 2 * 2 * 2 * slow.intra_latency)
     assert across[0] == pytest.approx(2 * 2 / 3 * 3e6 / 1e6 + 2 * 2 * 2 * 1e-3)
-    a = hybrid.step_time(c * 4, slow, data=1, pipe=2, model=3, num_microbatches=1, per_worker_batch=1)
-    b = hybrid.step_time(c * 4, slow, data=2, pipe=2, model=3, num_microbatches=1, per_worker_batch=1)
+    kw = dict(pipe=2, model=3, num_microbatches=1, per_worker_batch=1)
+    a = hybrid.step_time(c * 4, slow, data=1, **kw)
+    b = hybrid.step_time(c * 4, slow, data=2, **kw)
     assert b.model_time > 100 * a.model_time      # data 2: the second replica's groups cross
 
 

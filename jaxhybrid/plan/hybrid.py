@@ -374,8 +374,10 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     number of layers (and <= max_pipe), M dividing the per-worker batch (and in
     `microbatches` if given); each with its step time, memory and time to accuracy
     (configurations that do not fit memory are kept as infeasible rows, with a reason).
-    Model degrees must divide the layers' split dimensions (heads, MLP width): the
-    costs do not say which do."""
+    pipe = 1 rows are built once per (N, M), labelled with the first schedule (a DP
+    worker runs its microbatches one after another whatever the schedule); asynchronous
+    schedules are refused (`synchronous`). Model degrees must divide the layers' split
+    dimensions (heads, MLP width): the costs do not say which do."""
     b = int(per_worker_batch)
     if b < 1:
         raise ValueError(f"search: per_worker_batch={per_worker_batch} must be >= 1.")
@@ -417,8 +419,9 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
             data = n // (t * pipe)
             for sched in schedules if pipe > 1 else schedules[:1]:
                 for m in ms:
-                    key = (pipe, t, z, m, sched, data if shared or z else
-                           (replica_offsets(hw, pipe * t, data), replica_offsets(hw, t, data * pipe)))
+                    where = (data if shared or z else (replica_offsets(hw, pipe * t, data),
+                                                       replica_offsets(hw, t, data * pipe)))
+                    key = (pipe, t, z, m, sched, where)
                     if key not in cores:
                         cores[key] = _pipeline(cached, hw, pipe, m, b, sched, optimizer_states,
                                                data, None, t, z)
