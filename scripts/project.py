@@ -24,6 +24,7 @@ Statistical efficiency: the model's documented default, modified by --e_min / --
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -93,19 +94,24 @@ def stat_curve():
     """The statistical-efficiency curve the flags ask for (None: the model's default)."""
     from jaxhybrid.plan import stat_efficiency as se
     default = se.MODEL_DEFAULTS.get(FLAGS.model)
-    dataset = FLAGS.dataset_size or (default.dataset_size if default else None)
+    given = {f: getattr(FLAGS, f) for f in ("b_noise", "e_min", "max_batch", "dataset_size")
+             if getattr(FLAGS, f) is not None}     # 0 is a value (refused below), not "unset"
+    for f, v in given.items():
+        if not v > 0:
+            raise ValueError(f"--{f}={v:g} must be > 0 (leave it out for the default).")
+    dataset = given.get("dataset_size", default.dataset_size if default else None)
     if FLAGS.stat_points:
-        if FLAGS.b_noise or FLAGS.e_min:
+        if "b_noise" in given or "e_min" in given:
             raise ValueError("--stat_points fits B_noise and E_min; drop --b_noise/--e_min.")
         return se.fit(_points(FLAGS.stat_points), dataset_size=dataset, kind=FLAGS.stat_kind,
                       max_batch=FLAGS.max_batch, name=f"{FLAGS.model}/fit")
-    if FLAGS.b_noise or FLAGS.e_min or FLAGS.max_batch or FLAGS.dataset_size:
+    if given:
         if default is None:
             raise ValueError(f"--b_noise/--e_min/--max_batch modify a default curve; "
                              f"{FLAGS.model!r} has none: pass --stat_points.")
         return se.StatEfficiency.from_epochs(
-            FLAGS.e_min or default.e_min, FLAGS.b_noise or default.b_noise, dataset,
-            max_batch=FLAGS.max_batch or default.max_batch, name=default.name,
+            given.get("e_min", default.e_min), given.get("b_noise", default.b_noise), dataset,
+            max_batch=given.get("max_batch", default.max_batch), name=default.name,
             source="command line")
     if default is None:
         raise ValueError(f"no statistical-efficiency default for {FLAGS.model!r}; pass "
@@ -125,6 +131,11 @@ def main(argv):
             raise ValueError(f"--zero={','.join(map(str, FLAGS.zero))}: ZeRO settings are 0 "
                              f"(replicated optimizer state) and 1 (sharded over data), e.g. "
                              f"--zero=0,1.")
+        path = (FLAGS.out if FLAGS.out is not None
+                else f"projection_{FLAGS.model}_{FLAGS.hardware}.png")
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"--out={path}: directory {os.path.dirname(path)!r} does not exist; "
+                             f"create it or pass --out= for no PNG.")
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile
@@ -145,7 +156,6 @@ def main(argv):
         print(json.dumps(out, indent=1))
     else:
         print(proj.table())
-    path = FLAGS.out if FLAGS.out is not None else f"projection_{FLAGS.model}_{proj.hardware}.png"
     if path:
         proj.plot(path)
         print(f"wrote {path}", file=sys.stderr)

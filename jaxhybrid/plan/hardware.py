@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +127,14 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} must be >= 0.")
         if self.tick_param_bytes and self.mem_bandwidth is None:
             raise ValueError(f"Hardware {self.name!r}: tick_param_bytes needs mem_bandwidth.")
-        if self.devices_per_node < 1:
-            raise ValueError(f"Hardware {self.name!r}: devices_per_node must be >= 1.")
+        dpn = self.devices_per_node
+        if isinstance(dpn, bool) or not isinstance(dpn, numbers.Integral) or dpn < 1:
+            raise ValueError(f"Hardware {self.name!r}: devices_per_node={dpn!r} must be an int "
+                             f">= 1.")
+        for f in ("efficiency", "memory_fraction"):   # 30 for 30% was 100x the peak
+            if not getattr(self, f) <= 1:
+                raise ValueError(f"Hardware {self.name!r}: {f}={getattr(self, f)} is a fraction: "
+                                 f"give a number in (0, 1], e.g. 0.3 for 30%.")
 
     @property
     def uses_measured_times(self) -> bool:

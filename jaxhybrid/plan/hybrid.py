@@ -59,14 +59,16 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware
-from jaxhybrid.plan.model_axis import local_cost, model_comm_time
+from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times,  # noqa: F401
+                                           pipeline_topology, replica_offsets)
+from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
-from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
-from jaxhybrid.plan.topology import Topology
+from jaxhybrid.plan.step_model import engine_terms, lockstep_slots, lockstep_time, tick_transfer
 from jaxhybrid.schedules import make_schedule
+from jaxhybrid.schedules.asynchronous import is_asynchronous
 
 CostFn = Callable[[int], Sequence[LayerCost]]
 
@@ -116,67 +118,6 @@ def grad_params(c: LayerCost, data: int, per_worker_batch: int) -> float:
         return float(c.param_count)
     touched = data * (per_worker_batch * c.sparse_rows + c.sparse_fixed_rows)
     return float(c.param_count - rows * c.row_params + min(rows, touched) * c.row_params)
-
-
-# --- network --------------------------------------------------------------------------
-def pipeline_topology(hw: Hardware, pipe: int, model: int = 1) -> Topology:
-    """The links of one pipeline group: `pipe` devices `model` apart (the "model" axis is
-    innermost), node-major."""
-    n, dpn = pipe * model, hw.devices_per_node
-    t = Topology.nodes(max(1, math.ceil(n / dpn)), min(n, dpn),
-                       hw.p2p_bandwidth, hw.inter_bandwidth, hw.intra_latency, hw.inter_latency)
-    if t.n == pipe:
-        return t
-    idx = np.arange(pipe) * model
-    return Topology(t.bandwidth[np.ix_(idx, idx)], t.latency[np.ix_(idx, idx)], t.description)
-
-
-def model_times(costs: Sequence[LayerCost], hw: Hardware, model: int) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds per layer of the collectives over the model group
-    (`model_axis.model_comm_time`; consecutive devices: inside a node while model <=
-    devices_per_node, on the all-reduce links, else on the network)."""
-    inside = model <= hw.devices_per_node
-    bw = hw.allreduce_bandwidth if inside else hw.inter_bandwidth
-    lat = hw.intra_latency if inside else hw.inter_latency
-    one = lambda b, n: model_comm_time(b * hw.bytes_scale, model, bw, lat, n)  # noqa: E731
-    return (np.array([one(c.model_fwd_comm_bytes, c.model_fwd_collectives) for c in costs]),
-            np.array([one(c.model_bwd_comm_bytes, c.model_bwd_collectives) for c in costs]))
-
-
-def allreduce_time(hw: Hardware, data: int, pipe: int, stage_bytes: Sequence[float]) -> float:
-    """All stages' gradient all-reduces over their `data` replicas, run at once.
-
-    Placement as `make_mesh` builds it: replica r's stage s on device r * pipe + s, nodes
-    of `devices_per_node` consecutive devices. Stage s's group has m = dpn // pipe members
-    per node (1 when pipe >= dpn) on n = ceil(data / m) nodes. Hierarchical (NCCL-style):
-    reduce-scatter and all-gather inside the node, 2 (m-1)/m * bytes / allreduce_bandwidth;
-    between nodes a ring moves 2 (n-1)/n of each group's bytes through every node's network
-    cards, which all groups with a stage on that node share (their bytes add up);
-    latency: ring steps inside a node, a tree (2 ceil(log2 n) hops) between nodes.
-    With finite `compute_slots` (one host) the groups' copies serialise like compute.
-    """
-    if data <= 1:
-        return 0.0
-    sb = np.asarray(stage_bytes, float)
-    dpn = hw.devices_per_node
-    m = min(data, max(1, dpn // pipe))
-    n = math.ceil(data / m)
-    t = 0.0
-    if m > 1:
-        per = 2.0 * (m - 1) / m / hw.allreduce_bandwidth
-        if math.isfinite(hw.compute_slots):
-            t += max(sb.max() * per, sb.sum() * per * data / hw.compute_slots)
-        else:
-            t += sb.max() * per
-        t += 2 * (m - 1) * hw.intra_latency
-    if n > 1:
-        if pipe <= dpn:
-            load = sb.sum()
-        else:
-            load = max(sb[i:i + dpn].sum() for i in range(0, pipe, dpn))
-        t += 2.0 * (n - 1) / n * load / hw.inter_bandwidth
-        t += 2 * math.ceil(math.log2(n)) * hw.inter_latency
-    return float(t)
 
 
 # --- one configuration ----------------------------------------------------------------
@@ -243,6 +184,18 @@ def worker_step(costs, hw: Hardware, *, pipe: int, num_microbatches: int, per_wo
     return _finish(est, cost_fn(costs), hw, data, optimizer_states if include_update else None)
 
 
+def synchronous(schedule: str) -> str:
+    """`schedule` if it is a synchronous one, else a ValueError: an asynchronous schedule
+    (async, pipedream, 2bw, spectrain...) applies M / window updates per call on stale
+    weights, which neither this step model (one step of data x b, one all-reduce and
+    update) nor the statistical efficiency (no staleness) describes."""
+    if is_asynchronous(make_schedule(schedule, 2, 2)):
+        raise ValueError(f"schedule {schedule!r} is asynchronous (optimizer updates inside "
+                         f"the pipeline on stale weights); the projection models synchronous "
+                         f"steps only: choose from gpipe, 1f1b, interleaved, zb-h1, zbv.")
+    return schedule
+
+
 def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: str,
               optimizer_states: int, data: int, boundaries=None, model: int = 1,
               zero: int = 0) -> Estimate:
@@ -257,16 +210,18 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     per_layer = list(costs(b // M))
     local = [local_cost(c, model) for c in per_layer]
     L = len(per_layer)
-    sched = make_schedule(schedule, pipe, M)
+    # pipe = 1: a DP worker runs its microbatches one after another whatever the
+    # schedule (interleaved / zbv would put 2 stages on the one device).
+    sched = make_schedule(synchronous(schedule) if pipe > 1 else "1f1b", pipe, M)
     K, v = sched.num_stages, sched.virtual_stages   # K = pipe x virtual stages
     if K > L:
         est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
         return est
     fwd, bwd = times_on_hardware(local, hw)
-    comm_f, comm_b = model_times(per_layer, hw, model)
+    comm_f, comm_b = model_times(per_layer, hw, model, data * pipe)
     fwd, bwd = fwd + comm_f, bwd + comm_b
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
-    topo = pipeline_topology(hw, pipe, model) if pipe > 1 else None
+    topo = pipeline_topology(hw, pipe, model, data) if pipe > 1 else None
     if boundaries is not None and len(boundaries) != K - 1:
         raise ValueError(f"boundaries={list(boundaries)}: a {K}-stage pipeline needs "
                          f"{K - 1} (the first layer of stages 1..{K - 1}).")
@@ -338,8 +293,9 @@ def _fit_memory(engine_costs, cuts, mem_sched, usable: float, shard: dict):
     try:
         flags = choose_remat_spmd(engine_costs, cuts, mem_sched, usable, **shard)
     except MemoryBudgetError:
-        return (f"needs {device / 1e9:.3g} GB per device > {usable / 1e9:.3g} GB usable even "
-                f"with recomputation")
+        full = spmd_memory(engine_costs, cuts, mem_sched, [True] * len(flags), **shard)[1]
+        least = f" ({full / 1e9:.3g} GB with every layer recomputed)" if full < device else ""
+        return f"needs {device / 1e9:.3g} GB per device{least} > {usable / 1e9:.3g} GB usable"
     return flags, spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)[0]
 
 
@@ -418,8 +374,10 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     number of layers (and <= max_pipe), M dividing the per-worker batch (and in
     `microbatches` if given); each with its step time, memory and time to accuracy
     (configurations that do not fit memory are kept as infeasible rows, with a reason).
-    Model degrees must divide the layers' split dimensions (heads, MLP width): the
-    costs do not say which do."""
+    pipe = 1 rows are built once per (N, M), labelled with the first schedule (a DP
+    worker runs its microbatches one after another whatever the schedule); asynchronous
+    schedules are refused (`synchronous`). Model degrees must divide the layers' split
+    dimensions (heads, MLP width): the costs do not say which do."""
     b = int(per_worker_batch)
     if b < 1:
         raise ValueError(f"search: per_worker_batch={per_worker_batch} must be >= 1.")
@@ -434,19 +392,36 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     if not ms:
         raise ValueError(f"search: no microbatch count in {list(microbatches)} divides the "
                          f"per-worker batch {b}.")
+    model_degrees, zero = sorted(set(model_degrees)), sorted(set(zero))
+    schedules = [synchronous(s) for s in dict.fromkeys(schedules)]
+    for name, value, ok, want in (
+            ("schedules", schedules, schedules, "at least one"),
+            ("model_degrees", model_degrees, model_degrees and model_degrees[0] >= 1, "ints >= 1"),
+            ("zero", zero, zero and set(zero) <= {0, 1}, "0 and/or 1"),
+            ("max_pipe", max_pipe, max_pipe is None or max_pipe >= 1, "None or >= 1")):
+        if not ok:
+            raise ValueError(f"search: {name}={value!r} must be {want}.")
+    layouts = {n: [(t, p, z) for t in model_degrees if n % t == 0 for p in divisors(n // t)
+                   for z in zero if p <= min(L, max_pipe or L) and not (z and n == t * p)]
+               for n in devices}
+    for n, lay in layouts.items():
+        if not lay:
+            raise ValueError(f"search: no data x pipe x model layout for N={n}: model degrees "
+                             f"{model_degrees} must divide it, pipe <= {L} layers and max_pipe="
+                             f"{max_pipe}, ZeRO {zero} needs data > 1; change --devices or those.")
     cores: dict = {}
     rows = []
+    # The pipeline part depends on data only through shared compute slots, ZeRO and where
+    # the replicas sit in their nodes (`replica_offsets`).
+    shared = math.isfinite(hw.compute_slots) or math.isfinite(lockstep_slots(hw, 1))
     for n in devices:
-        for t, pipe, z in ((t, p, z) for t in model_degrees if n % t == 0
-                           for p in divisors(n // t) for z in zero):
+        for t, pipe, z in layouts[n]:
             data = n // (t * pipe)
-            if pipe > L or (max_pipe is not None and pipe > max_pipe) or (z and data == 1):
-                continue
-            for sched in schedules:
+            for sched in schedules if pipe > 1 else schedules[:1]:
                 for m in ms:
-                    # The pipeline part depends on data only through shared cores or ZeRO.
-                    key = (pipe, t, z, m, sched,
-                           data if math.isfinite(hw.compute_slots) or z else None)
+                    where = (data if shared or z else (replica_offsets(hw, pipe * t, data),
+                                                       replica_offsets(hw, t, data * pipe)))
+                    key = (pipe, t, z, m, sched, where)
                     if key not in cores:
                         cores[key] = _pipeline(cached, hw, pipe, m, b, sched, optimizer_states,
                                                data, None, t, z)

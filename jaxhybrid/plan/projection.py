@@ -71,6 +71,11 @@ class Projection:
                 f"{dp.epochs if dp else math.nan:>7.1f} {hrs(dp):>8} | {cfg(hy):>15} "
                 f"{hy.step_time * 1e3 if hy else math.nan:>8.2f} "
                 f"{hy.epochs if hy else math.nan:>7.1f} {hrs(hy):>8} | {s['speedup']:.3f}")
+            if not dp and not hy:     # say why, from the config spread over most devices
+                tried = [r for r in self.rows if r.devices == s["devices"]]
+                r = max(tried, key=lambda r: (r.pipe * r.model, r.num_microbatches))
+                lines.append(f"{'':>6} | nothing fits of {len(tried)} configs; e.g. {cfg(r)}: "
+                             f"{r.reason}")
         a = self.at_scale()
         lines.append(f"crossover N = {self.crossover}; at scale: best DP {hrs(a['dp'])} h "
                      f"({cfg(a['dp'])}, N={a['dp'].devices if a['dp'] else '-'}), best hybrid "

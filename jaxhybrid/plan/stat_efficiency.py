@@ -12,7 +12,10 @@ no fewer steps at all, S(B) = S(max_batch) (the "maximal data parallelism" regim
 Shallue et al. 2018, where the measured steps-to-result curves go flat).
 
 `fit(points)` estimates (S_min, B_noise) from measured (batch, steps-to-target) points by
-least squares in the linear form steps = S_min + (S_min * B_noise) * (1 / B).
+least squares in the linear form steps = S_min + (S_min * B_noise) * (1 / B), on relative
+residuals (steps-to-target noise is proportional to the steps: with absolute residuals a
+10% error in the smallest-batch point, the one with the most steps, moved the fitted
+B_noise by 36%; relative: 5%).
 
 Per-model defaults (`MODEL_DEFAULTS`) for the three models of Pal et al. 2019; each says
 where its numbers come from (and where they are an assumption).
@@ -42,10 +45,12 @@ class StatEfficiency:
             raise ValueError(f"StatEfficiency: s_min={self.s_min} must be a finite number > 0.")
         if not (self.b_noise >= 0 and math.isfinite(self.b_noise)):
             raise ValueError(f"StatEfficiency: b_noise={self.b_noise} must be a finite number >= 0.")
-        if self.dataset_size is not None and not self.dataset_size > 0:
-            raise ValueError(f"StatEfficiency: dataset_size={self.dataset_size} must be > 0.")
-        if self.max_batch is not None and not self.max_batch > 0:
-            raise ValueError(f"StatEfficiency: max_batch={self.max_batch} must be > 0 or None.")
+        if self.dataset_size is not None and not 0 < self.dataset_size < math.inf:
+            raise ValueError(f"StatEfficiency: dataset_size={self.dataset_size} must be a finite "
+                             f"number > 0.")
+        if self.max_batch is not None and not 0 < self.max_batch < math.inf:
+            raise ValueError(f"StatEfficiency: max_batch={self.max_batch} must be a finite number "
+                             f"> 0, or None for no cap.")
 
     @classmethod
     def from_epochs(cls, e_min: float, b_noise: float, dataset_size: float, **kw) -> "StatEfficiency":
@@ -96,13 +101,14 @@ class StatEfficiency:
 
 def fit(points: Iterable[Sequence[float]], *, dataset_size: float | None = None,
         max_batch: float | str | None = None, kind: str = "steps", name: str = "fit") -> StatEfficiency:
-    """Least-squares fit of S(B) = S_min (1 + B_noise / B) to measured points.
+    """Least-squares fit of S(B) = S_min (1 + B_noise / B) to measured points (relative
+    residuals, see the module docstring).
 
     points: (global batch, steps to target) pairs, or (batch, epochs) with kind="epochs"
       (then dataset_size is required to convert).
     max_batch: None (no cap), a number (critical batch: S constant beyond it), or "auto":
       also try a cap at each measured batch and keep the one with the smallest squared
-      error (no cap wins ties), for data whose steps stop falling at large batch.
+      relative error (no cap wins ties), for data whose steps stop falling at large batch.
     """
     pts = np.asarray(list(points), float)
     if pts.ndim != 2 or pts.shape[1] != 2:
@@ -124,25 +130,38 @@ def fit(points: Iterable[Sequence[float]], *, dataset_size: float | None = None,
         A = np.stack([np.ones_like(x), x], axis=1)
         if np.linalg.matrix_rank(A) < 2:
             return None
-        (a, c), *_ = np.linalg.lstsq(A, y, rcond=None)
-        sse = float(((A @ [a, c] - y) ** 2).sum())
+        (a, c), *_ = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)  # relative
+        # Rounding: steps that do not fall at all give S_min B_noise = +-1e-12, not 0.
+        c = 0.0 if abs(c) < 1e-9 * y.max() * batch.min() else c
+        sse = float((((A @ [a, c] - y) / y) ** 2).sum())
         return a, c, sse
 
     if max_batch == "auto":
         candidates = [None] + sorted(set(batch.tolist()))
-    elif max_batch is None or isinstance(max_batch, (int, float)):
+    elif max_batch is None or (isinstance(max_batch, (int, float, np.number))
+                               and not isinstance(max_batch, (bool, np.bool_))
+                               and max_batch > 0 and math.isfinite(max_batch)):
         candidates = [max_batch]
+        if max_batch is not None and max_batch <= batch.min():
+            raise ValueError(f"fit: max_batch={max_batch:g} is at or below every measured batch "
+                             f"(smallest {batch.min():g}): all points sit past the cap, nothing "
+                             f"to fit; give a larger max_batch, 'auto' or None.")
     else:
-        raise ValueError(f"fit: max_batch={max_batch!r} must be None, a number or 'auto'.")
+        raise ValueError(f"fit: max_batch={max_batch!r} must be None, a number > 0 or 'auto'.")
     best = None
     for cap in candidates:
         r = solve(cap)
-        if r is None or r[0] <= 0 or r[1] < 0:
+        if r is None or r[0] <= 1e-9 * y.max() or r[1] < 0:
             continue
         if best is None or r[2] < best[1][2] * (1 - 1e-9) - 1e-12:
             best = (cap, r)
     if best is None:
         a, c, _ = solve(candidates[0]) or (float("nan"), float("nan"), 0)
+        if c > 0 and a <= 1e-9 * y.max():
+            raise ValueError(f"fit: steps fall as fast as 1 / B or faster over the measured "
+                             f"batches (fitted S_min={a:.4g} <= 0): they do not bound B_noise; "
+                             f"add a point at a larger batch, where steps stop halving, or set "
+                             f"B_noise yourself (StatEfficiency.from_epochs, --b_noise).")
         raise ValueError(f"fit: points do not follow steps = S_min (1 + B_noise / B) "
                          f"(fitted S_min={a:.4g}, S_min*B_noise={c:.4g}; both must be >= 0 "
                          f"and S_min > 0): steps should fall as the batch grows.")
