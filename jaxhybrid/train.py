@@ -184,15 +184,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     started = time.time()
     phases = startup.Phases(launched or started)
     workdir = pathlib.Path(workdir).absolute()
+    try:
+        distributed.check_devices_per_process()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_processes_agree(config, workdir)
-    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
-    require(not workdir.exists() or workdir.is_dir(),
-             f"workdir {workdir} is a file; pass a directory (it is created if missing).")
-    # Else orbax fails only at the first save, after training, with pages of traceback.
-    require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
-            f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
-            f"checkpoints in that directory).")
-    _check_writable(workdir)
+    # ConfigError before any file is written; on every process when one fails (its mesh
+    # devices, its disk), instead of the others waiting for it in a collective.
+    run = distributed.fail_together(
+        lambda: _prepare_in(workdir, config, train_data, eval_data), ConfigError)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     writer = None
@@ -211,6 +211,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _prepare_in(workdir: pathlib.Path, config, train_data, eval_data) -> Run:
+    """`prepare`, then the checks that `workdir` can take the run (ConfigError)."""
+    run = prepare(config, train_data, eval_data)
+    require(not workdir.exists() or workdir.is_dir(),
+             f"workdir {workdir} is a file; pass a directory (it is created if missing).")
+    # Else orbax fails only at the first save, after training, with pages of traceback.
+    require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
+            f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
+            f"checkpoints in that directory).")
+    _check_writable(workdir)
+    return run
 
 
 def _check_writable(workdir: pathlib.Path) -> None:
