@@ -118,20 +118,17 @@ def _case(runs, name):
 
 
 def _assert_trees(a, b, exact):
+    """Two JSON trees (dicts of number arrays where not exact) equal, or within 1e-5."""
     if exact:
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    else:
-        for x, y in zip(_leaves(a), _leaves(b)):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        return [l for k in sorted(tree) for l in _leaves(tree[k])]
-    if isinstance(tree, list) and tree and isinstance(tree[0], (dict, list)) and not (
-            isinstance(tree[0], list) and tree[0] and not isinstance(tree[0][0], (dict, list))):
-        return [l for t in tree for l in _leaves(t)]
-    return [np.asarray(tree, np.float64)]
+        return
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_trees(a[k], b[k], exact)
+        else:
+            np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-5,
+                                       atol=1e-6, err_msg=k)
 
 
 def test_zbv_with_its_v_across_processes_equals_one_process(runs):
