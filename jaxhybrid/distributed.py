@@ -17,6 +17,7 @@ collectives; the number of CPU devices per process comes from `JAX_NUM_CPU_DEVIC
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -159,3 +160,44 @@ def check_same_everywhere(fields: dict, *, seen: str = "was started with",
         more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
         raise ValueError(f"process {i} {seen} {k}={everyone[i].get(k)!r} but process 0 "
                          f"with {everyone[0].get(k)!r}{more}; {fix}.")
+
+
+def check_devices_per_process() -> None:
+    """ValueError (the same on every process) when the processes hold different numbers
+    of devices: jax's multi-process helpers (a host value's device_put onto a mesh,
+    process_allgather, orbax's syncs) lay the devices out as processes x local devices,
+    and failed with "cannot reshape array of size 8 into shape (2,6)"."""
+    import jax
+    if jax.process_count() == 1:
+        return
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"process {i}: {n}" for i, n in sorted(counts.items()))
+        raise ValueError(f"distributed: the processes hold different numbers of devices "
+                         f"({held}); start every process with as many (the same "
+                         f"--devices_per_process, JAX_NUM_CPU_DEVICES, "
+                         f"--xla_force_host_platform_device_count or number of visible GPUs).")
+
+
+def fail_together(fn, error=ValueError):
+    """fn(); on several processes, when it raises on some process it raises on all of
+    them: there its own exception, elsewhere `error("process <i>: <its message>")`.
+    For checks that only some processes can fail (its devices, its disk): the others
+    went on to their next collective and waited there for jax.distributed's shutdown
+    timeout (5 minutes) while the failed one waited at exit. Every process must call it."""
+    import jax
+    if jax.process_count() == 1:
+        return fn()
+    try:
+        result, raised = fn(), None
+    except Exception as e:   # noqa: BLE001 (told to every process, then re-raised)
+        result, raised = None, e
+    messages = allgather_json(None if raised is None else
+                              (str(raised).splitlines() or [type(raised).__name__])[0])
+    failed = [(i, m) for i, m in enumerate(messages) if m is not None]
+    if raised is not None:
+        raise raised
+    if failed:
+        i, message = failed[0]
+        raise error(f"process {i}: {message}")
+    return result

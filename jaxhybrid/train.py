@@ -184,15 +184,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     started = time.time()
     phases = startup.Phases(launched or started)
     workdir = pathlib.Path(workdir).absolute()
+    try:
+        distributed.check_devices_per_process()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_processes_agree(config, workdir)
-    run = prepare(config, train_data, eval_data)   # ConfigError before any file is written
-    require(not workdir.exists() or workdir.is_dir(),
-             f"workdir {workdir} is a file; pass a directory (it is created if missing).")
-    # Else orbax fails only at the first save, after training, with pages of traceback.
-    require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
-            f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
-            f"checkpoints in that directory).")
-    _check_writable(workdir)
+    # ConfigError before any file is written; on every process when one fails (its mesh
+    # devices, its disk), instead of the others waiting for it in a collective.
+    run = distributed.fail_together(
+        lambda: _prepare_in(workdir, config, train_data, eval_data), ConfigError)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     writer = None
@@ -211,6 +211,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if main:
         logging.info("done: %s", final)
     return final
+
+
+def _prepare_in(workdir: pathlib.Path, config, train_data, eval_data) -> Run:
+    """`prepare`, then the checks that `workdir` can take the run (ConfigError)."""
+    run = prepare(config, train_data, eval_data)
+    require(not workdir.exists() or workdir.is_dir(),
+             f"workdir {workdir} is a file; pass a directory (it is created if missing).")
+    # Else orbax fails only at the first save, after training, with pages of traceback.
+    require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
+            f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
+            f"checkpoints in that directory).")
+    _check_writable(workdir)
+    return run
 
 
 def _check_writable(workdir: pathlib.Path) -> None:
@@ -281,8 +294,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
         pipe.make_plan(run.sample_inputs)
     train_step = masks = None
     # One process: the plan is final, so the step compiles now (after the checkpoint to
-    # resume from is found to fit). (Several processes first agree on process 0's plan,
-    # below, and compile at the first step, after the restore.)
+    # resume from is found to fit). (Several processes compile at the first step, after
+    # the restore; their plans agree: `make_plan` used process 0's costs on all.)
     if layer_init is not None and jax.process_count() == 1:
         train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
                                                         jax.random.fold_in(train_rng, 1), ckpt,
@@ -291,9 +304,6 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
     planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
-    if planned and jax.process_count() > 1:
-        run, variables = _adopt_process_0_plan(run, config, init_rng, variables)
-        pipe = run.pipe
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
     if main:
         logging.info("model %s on mesh data=%d x pipe=%d x model=%d (%d processes), stage "
@@ -478,19 +488,3 @@ def _init_layers_in_background(pipe, rng, sample_inputs) -> _LayerInit | None:
     if pipe.splitter is not None or pipe.model > 1:
         return None
     return _LayerInit(pipe, rng, sample_inputs)
-
-
-def _adopt_process_0_plan(run: Run, config, init_rng, variables):
-    """Every process profiles the layers itself and may cut the stages elsewhere; all
-    must run one program, so all take process 0's stages and recomputation."""
-    pipe = run.pipe
-    mine = {"boundaries": [int(b) for b in pipe.boundaries],
-            "remat": list(pipe.remat) if isinstance(pipe.remat, (list, tuple)) else pipe.remat}
-    chosen = distributed.broadcast_json(mine)
-    if chosen == mine:
-        return run, variables
-    logging.info("process %d: taking process 0's plan %s (this process measured %s)",
-                 jax.process_index(), chosen, mine)
-    pipe = build_pipeline(config, run.spec, run.mesh, chosen["boundaries"], chosen["remat"])
-    run = dataclasses.replace(run, pipe=pipe)
-    return run, pipe.init(init_rng, run.sample_inputs)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -136,11 +137,14 @@ class Pipeline(PipelineVariables):
         rows = b // n if b % n == 0 else b
         return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs)
 
-    def _make_plan(self, fixed: bool):
+    def _layer_costs(self):
+        return (_profile_cached(self.layers, self._sample) if self.splitter is None
+                else self.splitter.costs(self._sample))   # lowered pieces, no compiles
+
+    def _make_plan(self, fixed: bool, costs=None):
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
         from jaxhybrid.plan.calibration import stored_hardware
-        costs = (_profile_cached(self.layers, self._sample) if self.splitter is None
-                 else self.splitter.costs(self._sample))   # lowered pieces, no compiles
+        costs = self._layer_costs() if costs is None else costs
         return planner.make_plan(
             costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
             schedule=self.schedule, data=self.data, topology=self.topology,
@@ -264,12 +268,17 @@ class Pipeline(PipelineVariables):
     def make_plan(self, sample_inputs: PyTree) -> None:
         """Takes the planner's decisions (stage boundaries, remat) from the layers'
         costs on one microbatch of `sample_inputs`; `init` calls it (a second call does
-        nothing), `scripts/train.py` first, to time planning on its own."""
+        nothing), `scripts/train.py` first, to time planning on its own. On several
+        processes every one must call it (through `init`): all plan from process 0's
+        measured costs, so all cut the same stages."""
         self._sample = self._microbatch_sample(sample_inputs)
         if self.splitter is not None:
             self.splitter.attach(self)
         if self._needs_plan:
-            plan = self._make_plan(fixed=not self._planner_cuts)
+            # Several processes run one program: all plan from process 0's measured
+            # costs (timings differ from host to host, and so would the cuts).
+            plan = self._make_plan(fixed=not self._planner_cuts,
+                                   costs=_process_0s(self._layer_costs()))
             self._plan, self._needs_plan = plan, False
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
 
@@ -481,6 +490,15 @@ class Pipeline(PipelineVariables):
         per_device = sum(self.param_len.values())
         return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
                     padding_waste=1.0 - sum(used) / max(1, per_device * self.pipe_size))
+
+
+def _process_0s(costs: list) -> list:
+    """Process 0's layer costs on every process (a collective; `costs` with one)."""
+    if jax.process_count() == 1:
+        return costs
+    from jaxhybrid import distributed
+    chosen = distributed.broadcast_json([dataclasses.asdict(c) for c in costs])
+    return [type(c)(**d) for c, d in zip(costs, chosen)]
 
 
 _PROFILE_CACHE: dict = {}

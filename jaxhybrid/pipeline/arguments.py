@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxhybrid import distributed
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.schedules import Schedule, make_schedule
 
@@ -31,6 +32,10 @@ def checked_mesh(mesh) -> Mesh:
         raise ValueError(f"Pipeline: mesh axes {explicit} are not AxisType.Auto (jax.make_mesh "
                          f"makes Explicit ones); build the mesh with jaxhybrid.make_mesh, or pass "
                          f"axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)}.")
+    try:   # else `pack` failed in jax's device_put with "cannot reshape array of size ..."
+        distributed.check_devices_per_process()
+    except ValueError as e:
+        raise ValueError(f"Pipeline: {e}") from None
     return mesh
 
 

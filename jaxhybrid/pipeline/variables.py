@@ -130,7 +130,8 @@ class PipelineVariables:
     def unpack(self, variables: dict) -> list[dict]:
         """Packed variables -> list of per-layer flax variable dicts (numpy, portable).
         Packed gradients (`value_and_grad`'s grads: the "params" buffers alone) unpack
-        to per-layer {"params": ...} dicts."""
+        to per-layer {"params": ...} dicts. On several processes, rows on other
+        processes' devices are gathered: every process must call it (a collective)."""
         self._require_vars()
         if "params" not in variables:
             keys = {k for d in self.param_layouts for k in d["params"].size_of}
@@ -141,7 +142,7 @@ class PipelineVariables:
             variables = {"params": variables}
         packing.check_packed(variables, {c: b for c, b in self.abstract_variables().items()
                                          if c in variables}, "unpack")
-        host = jax.device_get(variables)
+        host = _to_host(variables)
         per_layer = [dict() for _ in self.layers]
         for c in ["params", *(c for c in self.state_collections if c in host)]:
             for d, layers in enumerate(self.device_layers):
@@ -152,6 +153,19 @@ class PipelineVariables:
                     if c in self._layer_vars[i]:
                         per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
         return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
+
+
+def _to_host(tree: PyTree) -> PyTree:
+    """numpy copies of `tree`'s arrays. An array that spans other processes' devices
+    (stages on other hosts: jax.device_get refuses it) is gathered whole, with the same
+    collective on every process."""
+    from jax.experimental import multihost_utils
+
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+    return jax.tree.map(get, tree)
 
 
 def _init_in_order(layers, rng, x) -> list[dict]:
