@@ -201,3 +201,13 @@ def fail_together(fn, error=ValueError):
         i, message = failed[0]
         raise error(f"process {i}: {message}")
     return result
+
+
+def process_0s(items: list) -> list:
+    """Process 0's `items` (a list of dataclasses of JSON values, e.g. layer costs) on
+    every process: a collective, one item list per process; unchanged with one."""
+    import jax
+    if jax.process_count() == 1:
+        return items
+    chosen = broadcast_json([dataclasses.asdict(x) for x in items])
+    return [type(x)(**d) for x, d in zip(items, chosen)]

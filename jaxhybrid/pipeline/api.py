@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -16,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.checks import is_int
 from jaxhybrid.layers import raw_key
-from jaxhybrid import tensor_parallel
+from jaxhybrid import distributed, tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
                                 tables, zero)
@@ -278,7 +277,7 @@ class Pipeline(PipelineVariables):
             # Several processes run one program: all plan from process 0's measured
             # costs (timings differ from host to host, and so would the cuts).
             plan = self._make_plan(fixed=not self._planner_cuts,
-                                   costs=_process_0s(self._layer_costs()))
+                                   costs=distributed.process_0s(self._layer_costs()))
             self._plan, self._needs_plan = plan, False
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
 
@@ -482,23 +481,6 @@ class Pipeline(PipelineVariables):
                              f"shaped like pipe.init's sample_inputs{sample}, or pack "
                              f"variables made for these inputs.") from e
 
-    # --- reporting ------------------------------------------------------------------
-    def padding_stats(self) -> dict:
-        """Parameter elements per device, per-device buffer length and padding waste."""
-        self._require_vars()
-        used = [sum(n for _, n in l["params"].sizes) for l in self.param_layouts]
-        per_device = sum(self.param_len.values())
-        return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
-                    padding_waste=1.0 - sum(used) / max(1, per_device * self.pipe_size))
-
-
-def _process_0s(costs: list) -> list:
-    """Process 0's layer costs on every process (a collective; `costs` with one)."""
-    if jax.process_count() == 1:
-        return costs
-    from jaxhybrid import distributed
-    chosen = distributed.broadcast_json([dataclasses.asdict(c) for c in costs])
-    return [type(c)(**d) for c, d in zip(costs, chosen)]
 
 
 _PROFILE_CACHE: dict = {}

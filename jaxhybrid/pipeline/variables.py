@@ -154,6 +154,14 @@ class PipelineVariables:
                         per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
         return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
 
+    def padding_stats(self) -> dict:
+        """Parameter elements per device, per-device buffer length and padding waste."""
+        self._require_vars()
+        used = [sum(n for _, n in l["params"].sizes) for l in self.param_layouts]
+        per_device = sum(self.param_len.values())
+        return dict(stage_params=used, buffer_params=per_device, total_params=sum(used),
+                    padding_waste=1.0 - sum(used) / max(1, per_device * self.pipe_size))
+
 
 def _to_host(tree: PyTree) -> PyTree:
     """numpy copies of `tree`'s arrays. An array that spans other processes' devices
