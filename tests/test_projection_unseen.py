@@ -70,9 +70,16 @@ def test_asynchronous_schedules_are_refused(schedule):
     with pytest.raises(ValueError, match="asynchronous"):
         hybrid.search(synth(4), PRESETS["v100_dgx1"], STAT, devices=[4], per_worker_batch=4,
                       schedules=("1f1b", schedule))
-    with pytest.raises(ValueError, match="asynchronous"):
-        hybrid.step_time(synth(4), PRESETS["v100_dgx1"], data=1, pipe=2, num_microbatches=2,
-                         per_worker_batch=4, schedule=schedule)
+    # step_time prices one call: one update (all-reduce + optimizer pass) per window.
+    est = hybrid.step_time(synth(4), PRESETS["v100_dgx1"], data=2, pipe=2, num_microbatches=4,
+                           per_worker_batch=8, schedule=schedule)
+    sync = hybrid.step_time(synth(4), PRESETS["v100_dgx1"], data=2, pipe=2, num_microbatches=4,
+                            per_worker_batch=8, schedule="1f1b")
+    # (2bw's default window at S=2, M=4 is all 4 microbatches: one update.)
+    assert est.updates == (1 if schedule == "2bw" else 4) and sync.updates == 1
+    assert est.update_time > 0 and est.allreduce_time > 0
+    assert est.step_time == pytest.approx(est.pipeline_time + est.updates * (
+        est.allreduce_time + est.update_time) + PRESETS["v100_dgx1"].step_overhead)
 
 
 # --- the search's cache ----------------------------------------------------------------

@@ -155,8 +155,7 @@ def even_cuts(config, S: int) -> tuple:
 def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
     """(per call, steady stream) seconds per example on --hardware from the planner's
     step-time model: `hybrid.step_time` of the call's table on the model's layer costs
-    at one microbatch (the same stage split), plus the optimizer update of every U task
-    beyond the one a synchronous step has. The stream (no fill, no drain, what carrying
+    at one microbatch (the same stage split), which prices every U task's update. The stream (no fill, no drain, what carrying
     in-flight microbatches across calls would reach): the time a call of 2M microbatches
     adds over one of M, per example; for a synchronous schedule the call itself."""
     from jaxhybrid.plan import costs as plan_costs, hybrid
@@ -169,7 +168,7 @@ def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
         est = hybrid.step_time(per_layer, hw, data=1, pipe=S, num_microbatches=M,
                                per_worker_batch=M * FLAGS.microbatch, schedule=run.schedule,
                                optimizer_states=1, boundaries=list(bounds))
-        return est.step_time + (M // run.per_update - 1) * est.update_time
+        return est.step_time
 
     call = call_time(run.M) / (run.M * FLAGS.microbatch)
     if run.synchronous:

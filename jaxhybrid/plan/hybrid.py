@@ -68,7 +68,7 @@ from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
 from jaxhybrid.plan.step_model import engine_terms, lockstep_slots, lockstep_time, tick_transfer
 from jaxhybrid.schedules import make_schedule
-from jaxhybrid.schedules.asynchronous import is_asynchronous
+from jaxhybrid.schedules.asynchronous import is_asynchronous, updates_per_call
 
 CostFn = Callable[[int], Sequence[LayerCost]]
 
@@ -142,8 +142,9 @@ class Estimate:
     compute_time: float = math.nan   # the ticks' layer work alone (no engine overhead)
     engine_time: float = 0.0         # what the engine's per-tick costs add to the ticks
     transfer_time: float = 0.0
-    allreduce_time: float = 0.0
-    update_time: float = 0.0
+    allreduce_time: float = 0.0      # per optimizer update
+    update_time: float = 0.0         # per optimizer update
+    updates: int = 1                 # per step (an asynchronous call: one per window)
     step_time: float = math.nan
     global_batch: int = 0
     epochs: float = math.nan
@@ -185,10 +186,11 @@ def worker_step(costs, hw: Hardware, *, pipe: int, num_microbatches: int, per_wo
 
 
 def synchronous(schedule: str) -> str:
-    """`schedule` if it is a synchronous one, else a ValueError: an asynchronous schedule
-    (async, pipedream, 2bw, spectrain...) applies M / window updates per call on stale
-    weights, which neither this step model (one step of data x b, one all-reduce and
-    update) nor the statistical efficiency (no staleness) describes."""
+    """`schedule` if it is a synchronous one, else a ValueError (the search): an
+    asynchronous schedule (async, pipedream, 2bw, spectrain...) applies M / window
+    updates per call on stale weights, which the statistical efficiency (no staleness)
+    does not describe. (`step_time` prices such a call: every update's all-reduce and
+    optimizer pass.)"""
     if is_asynchronous(make_schedule(schedule, 2, 2)):
         raise ValueError(f"schedule {schedule!r} is asynchronous (optimizer updates inside "
                          f"the pipeline on stale weights); the projection models synchronous "
@@ -212,7 +214,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     L = len(per_layer)
     # pipe = 1: a DP worker runs its microbatches one after another whatever the
     # schedule (interleaved / zbv would put 2 stages on the one device).
-    sched = make_schedule(synchronous(schedule) if pipe > 1 else "1f1b", pipe, M)
+    sched = make_schedule(schedule if pipe > 1 else "1f1b", pipe, M)
     K, v = sched.num_stages, sched.virtual_stages   # K = pipe x virtual stages
     if K > L:
         est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
@@ -323,7 +325,12 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
         # only its 1 / data shard of them.
         est.update_time = float(stage_grads.max() * 2 * hw.param_state_bytes(optimizer_states)
                                 / hw.mem_bandwidth / (data if est.zero else 1))
-    est.step_time = est.pipeline_time + est.allreduce_time + est.update_time + hw.step_overhead
+    # An asynchronous call updates once per gradient window, each update averaging its
+    # gradient over `data` first (`pipeline.runtime`'s U task).
+    est.updates = (updates_per_call(make_schedule(est.schedule, est.pipe, est.num_microbatches))
+                   if est.pipe > 1 else 1)
+    est.step_time = (est.pipeline_time + est.updates * (est.allreduce_time + est.update_time)
+                     + hw.step_overhead)
     return est
 
 
