@@ -22,9 +22,8 @@ def test_predicted_device_memory_within_10_percent_of_compiled(biglstm):
 
 @pytest.fixture(scope="module")
 def biglstm_zb():
-    config = memory_bench.model_config("biglstm", "tiny", 4)
-    with config.unlocked():
-        config.pipeline.schedule = "zb-h1"
+    config = memory_bench.model_config("biglstm", "tiny", 4, schedule="zb-h1")
+    assert config.pipeline.schedule == "zb-h1"
     return memory_bench.compare(config, "train")
 
 

@@ -1,11 +1,11 @@
 """Memory model vs the compiled step: predicted and compiled bytes per device.
 
     python scripts/bench.py memory [--models=inception_v3,gnmt,biglstm,gpt] [--size=tiny]
-                                   [--pipe=4] [--step=train|grad]
+                                   [--pipe=4] [--step=train|grad] [--schedule=zb-h1]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
-batch, schedule, model overrides) at --size and pipe = --pipe, with the planner's
-boundaries and no recomputation:
+batch, schedule, model overrides) at --size and pipe = --pipe (and --schedule in place of
+the config's, if given), with the planner's boundaries and no recomputation:
 
   predicted  the planner's memory model of the engine (`plan.remat.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the
@@ -49,6 +49,8 @@ flags.DEFINE_string("size", "tiny", "model size (tiny | small | full), or 'confi
 flags.DEFINE_integer("pipe", 4, "pipeline stages S.")
 flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step with AdamW "
                   "(scripts/train.py); grad: the pipeline's value_and_grad step alone.")
+flags.DEFINE_string("schedule", "", "a registered schedule in place of each config's "
+                    "pipeline.schedule (e.g. zb-h1, zbv); empty: the config's own.")
 
 CONFIGS = {"inception_v3": "inception_hybrid.py", "gnmt": "gnmt_hybrid.py",
            "biglstm": "biglstm_hybrid.py", "gpt": "gpt_hybrid.py"}
@@ -56,12 +58,15 @@ TERMS = ("params", "opt_state", "grads", "state", "stash", "working", "inboxes",
          "versions")
 
 
-def model_config(name: str, size: str, pipe: int):
-    """The model's training config with its size and pipeline depth replaced."""
+def model_config(name: str, size: str, pipe: int, schedule: str = ""):
+    """The model's training config with its size, pipeline depth and (if given) schedule
+    replaced."""
     from jaxhybrid import config_flags
     overrides = {"mesh.pipe": pipe}
     if size != "config":
         overrides["model.size"] = size
+    if schedule:
+        overrides["pipeline.schedule"] = schedule
     return config_flags.load_config(CONFIGS.get(name, f"{name}_hybrid.py"), overrides)
 
 
@@ -152,10 +157,11 @@ def main(argv) -> None:
     t0 = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"host: {jax.device_count()} x {jax.devices()[0].platform} devices; step "
-          f"{FLAGS.step}; pipe {FLAGS.pipe}; size {FLAGS.size}; load average {load:.2f}")
+          f"{FLAGS.step}; pipe {FLAGS.pipe}; size {FLAGS.size}; schedule "
+          f"{FLAGS.schedule or 'as configured'}; load average {load:.2f}")
     rows = []
     for name in FLAGS.models:
-        config = model_config(name, FLAGS.size, FLAGS.pipe)
+        config = model_config(name, FLAGS.size, FLAGS.pipe, FLAGS.schedule)
         if config.mesh.data * config.mesh.pipe > jax.device_count():
             raise SystemExit(f"bench memory: {name} needs data {config.mesh.data} x pipe "
                              f"{config.mesh.pipe} devices, found {jax.device_count()}.")
