@@ -81,3 +81,14 @@ def test_bench_modes_reject_bad_flags_in_one_line(args, message):
                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr + r.stdout
+
+
+def test_bench_modules_the_tests_import_share_one_process():
+    # pytest-xdist may collect test_memory_model.py and test_projection_validation.py in
+    # one worker: their bench modules' absl flags must not collide (a 'schedule' flag in
+    # both made both files' collection fail with DuplicateFlagError).
+    code = ("from jaxhybrid.bench import memory_bench, projection_bench, mlp\n"
+            "from jaxhybrid.bench import projection_bench as b; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -1,10 +1,10 @@
 """Memory model vs the compiled step: predicted and compiled bytes per device.
 
     python scripts/bench.py memory [--models=inception_v3,gnmt,biglstm,gpt] [--size=tiny]
-                                   [--pipe=4] [--step=train|grad] [--schedule=zb-h1]
+                                   [--pipe=4] [--step=train|grad] [--config_schedule=zb-h1]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
-batch, schedule, model overrides) at --size and pipe = --pipe (and --schedule in place of
+batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in place of
 the config's, if given), with the planner's boundaries and no recomputation:
 
   predicted  the planner's memory model of the engine (`plan.remat.memory_terms`, the
@@ -49,7 +49,7 @@ flags.DEFINE_string("size", "tiny", "model size (tiny | small | full), or 'confi
 flags.DEFINE_integer("pipe", 4, "pipeline stages S.")
 flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step with AdamW "
                   "(scripts/train.py); grad: the pipeline's value_and_grad step alone.")
-flags.DEFINE_string("schedule", "", "a registered schedule in place of each config's "
+flags.DEFINE_string("config_schedule", "", "a registered schedule in place of each config's "
                     "pipeline.schedule (e.g. zb-h1, zbv); empty: the config's own.")
 
 CONFIGS = {"inception_v3": "inception_hybrid.py", "gnmt": "gnmt_hybrid.py",
@@ -158,10 +158,10 @@ def main(argv) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"host: {jax.device_count()} x {jax.devices()[0].platform} devices; step "
           f"{FLAGS.step}; pipe {FLAGS.pipe}; size {FLAGS.size}; schedule "
-          f"{FLAGS.schedule or 'as configured'}; load average {load:.2f}")
+          f"{FLAGS.config_schedule or 'as configured'}; load average {load:.2f}")
     rows = []
     for name in FLAGS.models:
-        config = model_config(name, FLAGS.size, FLAGS.pipe, FLAGS.schedule)
+        config = model_config(name, FLAGS.size, FLAGS.pipe, FLAGS.config_schedule)
         if config.mesh.data * config.mesh.pipe > jax.device_count():
             raise SystemExit(f"bench memory: {name} needs data {config.mesh.data} x pipe "
                              f"{config.mesh.pipe} devices, found {jax.device_count()}.")
