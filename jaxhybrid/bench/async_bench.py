@@ -155,9 +155,10 @@ def even_cuts(config, S: int) -> tuple:
 def gpu_prediction(config, S: int, run: Run, bounds) -> tuple[float, float]:
     """(per call, steady stream) seconds per example on --hardware from the planner's
     step-time model: `hybrid.step_time` of the call's table on the model's layer costs
-    at one microbatch (the same stage split), which prices every U task's update. The stream (no fill, no drain, what carrying
-    in-flight microbatches across calls would reach): the time a call of 2M microbatches
-    adds over one of M, per example; for a synchronous schedule the call itself."""
+    at one microbatch (the same stage split), which prices every U task's update. The
+    stream (no fill, no drain, what carrying in-flight microbatches across calls would
+    reach): the time a call of 2M microbatches adds over one of M, per example; for a
+    synchronous schedule the call itself."""
     from jaxhybrid.plan import costs as plan_costs, hybrid
     from jaxhybrid.plan.hardware import get_hardware
     hw = get_hardware(FLAGS.hardware)

@@ -4,8 +4,8 @@
                                    [--pipe=4] [--step=train|grad] [--config_schedule=zb-h1]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
-batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in place of
-the config's, if given), with the planner's boundaries and no recomputation:
+batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in
+place of the config's, if given), with the planner's boundaries and no recomputation:
 
   predicted  the planner's memory model of the engine (`plan.remat.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware, get_hardware
+from jaxhybrid.plan.hybrid_network import allreduce_time
 from jaxhybrid.plan.topology import Topology
 
 KINDS = ("conv", "dense", "other")
@@ -228,7 +229,6 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     if topology is not None:    # a given network: ring all-reduce over its first g devices
         sync = np.array([[topo.allreduce_time(range(g), gb) for g in widths] for gb in grad_bytes])
     else:                       # a preset cluster: hierarchical (NCCL-style), as projections
-        from jaxhybrid.plan.hybrid import allreduce_time
         sync = np.array([[allreduce_time(hw, g, 1, [gb]) for g in widths] for gb in grad_bytes])
     in_bytes = np.array([c.in_bytes / c.batch_size * hw.bytes_scale for c in full])
     relayout = {(a, b): _relayout_terms(topo, widths[a], widths[b], batch_size)
@@ -255,7 +255,6 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
             bsync = [[topo.allreduce_time(range(g), c.param_count * hw.grad_bytes) for g in widths]
                      for c in bfull]
         else:
-            from jaxhybrid.plan.hybrid import allreduce_time
             bsync = [[allreduce_time(hw, g, 1, [c.param_count * hw.grad_bytes]) for g in widths]
                      for c in bfull]
         tab.branches[int(l)] = {

@@ -59,8 +59,8 @@ import numpy as np
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.hardware import Hardware
-from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times,  # noqa: F401
-                                           pipeline_topology, replica_offsets)
+from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times, pipeline_topology,
+                                           replica_offsets)
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
 from jaxhybrid.plan.partitioning import partition
@@ -215,6 +215,9 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
     # pipe = 1: a DP worker runs its microbatches one after another whatever the
     # schedule (interleaved / zbv would put 2 stages on the one device).
     sched = make_schedule(schedule if pipe > 1 else "1f1b", pipe, M)
+    # An asynchronous call updates once per gradient window, each update averaging its
+    # gradient over `data` first (`pipeline.runtime`'s U task); `_finish` prices them.
+    est.updates = updates_per_call(sched)
     K, v = sched.num_stages, sched.virtual_stages   # K = pipe x virtual stages
     if K > L:
         est.reason = f"{K} stages (pipe={pipe} x {v} virtual) > {L} layers"
@@ -325,10 +328,6 @@ def _finish(est: Estimate, costs: CostFn, hw: Hardware, data: int,
         # only its 1 / data shard of them.
         est.update_time = float(stage_grads.max() * 2 * hw.param_state_bytes(optimizer_states)
                                 / hw.mem_bandwidth / (data if est.zero else 1))
-    # An asynchronous call updates once per gradient window, each update averaging its
-    # gradient over `data` first (`pipeline.runtime`'s U task).
-    est.updates = (updates_per_call(make_schedule(est.schedule, est.pipe, est.num_microbatches))
-                   if est.pipe > 1 else 1)
     est.step_time = (est.pipeline_time + est.updates * (est.allreduce_time + est.update_time)
                      + hw.step_overhead)
     return est
