@@ -92,3 +92,21 @@ def test_bench_modules_the_tests_import_share_one_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_projection_refuses_a_stored_fit_of_another_profile_timing(tmp_path):
+    # A fit's engine terms are relative to how its layers were timed: reusing a fit made
+    # with --profile_timing=loop for layers timed alone would mis-predict every row.
+    import jax
+
+    from jaxhybrid.plan import calibration
+    from jaxhybrid.plan.hardware import measured_device
+    assert jax.device_count() == 8   # the same device key as the bench's process
+    calibration.save(measured_device("fit", mem_bandwidth=5e9, devices_per_node=8), tmp_path,
+                     {"profile_timing": "loop"})
+    r = subprocess.run([sys.executable, BENCH, "projection", "--calibration=stored",
+                        f"--cache_dir={tmp_path}", "--profile_timing=alone"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert ("the stored calibration was fitted with --profile_timing=loop; pass that, or "
+            "--calibration=fit") in r.stderr + r.stdout

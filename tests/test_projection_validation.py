@@ -28,19 +28,21 @@ def setup():
     # Minimum of the runs: other processes on the host only ever add time.
     configs = pb.parse_cal_configs(["1x2x8@8", "1x8x4@8", "2x2x4@8", "1x2x8", "1x8x8", "2x4x4"],
                                    None, cal.width)
-    hw, info = pb.calibrate(model, cal, configs=configs, batch=BATCH,
-                            runs=5, reduce="min", log=lambda *a: None)
-    return model, hw, info
+    # Calibration and held-out steps timed in the same rounds, as `bench projection` fits.
+    hw, info, rows = pb.calibrate_and_validate(model, cal, HELD_OUT, cal_configs=configs,
+                                               batch=BATCH, runs=5, reduce="min",
+                                               log=lambda *a: None)
+    return model, hw, info, rows
 
 
 def test_held_out_rows_are_predicted_and_measured_in_the_same_order(setup):
-    model, hw, info = setup
+    model, hw, info, rows = setup
     assert 1.0 <= info["compute_slots"] <= 8.0
+    assert len(info["rows"]) == len(info["residuals"]) == 6 and info["dp_1x1"] > 0
     # The fitted engine terms may come out 0 on a host where the engine's per-tick cost is
     # lost in the timing noise; they are non-negative by construction (bounded fit) and the
     # model's engine terms are checked without timing in test_model_orderings_without_timing.
     assert hw.tick_overhead >= 0 and hw.tick_param_bytes >= 0
-    rows = pb.validate(model, hw, HELD_OUT, batch=BATCH, runs=5, reduce="min")
     assert [r["config"] for r in rows] == ["x".join(map(str, c)) for c in HELD_OUT]
     for r in rows:
         assert r["predicted"] > 0 and r["measured"] > 0
@@ -56,6 +58,18 @@ def test_held_out_rows_are_predicted_and_measured_in_the_same_order(setup):
     assert pred["1x8x8"] > 3 * pred["1x2x2"]   # so the order check above has a pair
     s = pb.summary(rows)
     assert s["max_pass_spread"] == max(r["pass_spread"] for r in rows)
+
+
+def test_validate_with_a_given_fit_predicts_at_the_boundaries_it_measured(setup):
+    """`validate` (a stored calibration's path): the row's prediction is the model's at the
+    boundaries the measured step ran with."""
+    model, hw, _, _ = setup
+    (row,) = pb.validate(model, hw, [(1, 4, 4)], batch=BATCH, runs=1, reduce="min")
+    again = hybrid.step_time(model.costs, hw, data=1, pipe=4, num_microbatches=4,
+                             per_worker_batch=BATCH, include_update=False,
+                             boundaries=row["boundaries"])
+    assert row["predicted"] == pytest.approx(again.step_time) and row["measured"] > 0
+    assert len(row["boundaries"]) == 3 and "model" not in row
 
 
 def test_model_orderings_without_timing():
