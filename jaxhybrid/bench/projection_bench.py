@@ -72,7 +72,7 @@ from jaxhybrid.bench.projection_fit import (  # noqa: F401  (the bench's API, us
     ENGINE_TERMS, SLOT_TERMS, Calibration, calibrate, fit_calibration, fit_engine_terms,
     host_device, parse_cal_configs, prepare_calibration)
 from jaxhybrid.bench.projection_steps import (  # noqa: F401
-    Model, measure_step, parse_configs, parse_val_configs, predict, prepare_step,
+    Model, combine_passes, measure_step, parse_configs, parse_val_configs, predict, prepare_step,
     stream_bandwidth, time_steps)
 from jaxhybrid.plan import hybrid
 from jaxhybrid.plan.hardware import Hardware
@@ -124,8 +124,7 @@ def prepare_validation(model: Model, configs, *, batch: int, hw: Hardware,
         sched, data, pipe, M, width = (config if len(config) == 5
                                        else (schedule, *config, model.width))
         sched = sched or schedule
-        m = models.setdefault(width, Model(width, model.blocks, model.reduce,
-                                           model.profile_rounds, model.timing))
+        m = models.setdefault(width, model.at_width(width))
         boundaries = predict(m, hw, data=data, pipe=pipe, M=M, batch=batch,
                              schedule=sched).boundaries
         steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=batch,
@@ -152,7 +151,7 @@ def finish_validation(rows, hw: Hardware, first, second, reduce: str = "median")
                   boundaries=r["boundaries"] if r["pipe"] > 1 else None)
         est = hybrid.step_time(m.costs, hw, **kw)
         bare = hybrid.step_time(m.costs, compute_only, **kw)
-        t = min(a, b) if reduce == "min" else (a + b) / 2
+        t = combine_passes(a, b, reduce)
         r.update(bubble=est.bubble_fraction, predicted=est.step_time, compute=est.compute_time,
                  engine=est.engine_time, allreduce=est.allreduce_time,
                  compute_only=bare.step_time, measured=t, rel_error=est.step_time / t - 1.0,
@@ -187,8 +186,8 @@ once more after the timing (`Model.reprofile`), for the same reason."""
     second = time_steps(c.steps + steps, runs, reduce)
     for m in {id(m): m for m in [c.model, *c.cals.values(), *(r["model"] for r in rows)]}.values():
         m.reprofile()
-    pick = min if reduce == "min" else (lambda a, b: (a + b) / 2)
-    hw, info = fit_calibration(c, [pick(a, b) for a, b in zip(first[:k], second[:k])],
+    hw, info = fit_calibration(c, [combine_passes(a, b, reduce)
+                                   for a, b in zip(first[:k], second[:k])],
                                schedule=schedule, log=log)
     return hw, info, finish_validation(rows, hw, first[k:], second[k:], reduce)
 

@@ -108,8 +108,7 @@ def prepare_calibration(model: Model, cal: Model, *, configs, batch: int,
     configs = [(sched or schedule, d, p, M, w, mb) for sched, d, p, M, w, mb in configs]
     cals = {cal.width: cal}
     for sched, data, pipe, M, width, mb in configs:
-        m = cals.setdefault(width, Model(width, cal.blocks, cal.reduce, cal.profile_rounds,
-                                         cal.timing))
+        m = cals.setdefault(width, cal.at_width(width))
         b = hybrid.step_time(m.costs, host_device(bw), data=data, pipe=pipe, num_microbatches=M,
                              per_worker_batch=M * mb, schedule=sched).boundaries
         steps.append(prepare_step(m, data=data, pipe=pipe, M=M, batch=M * mb, boundaries=b,

@@ -39,6 +39,10 @@ class Model:
         self._runs: dict = {}    # microbatch -> [per-layer profile, ...]
         self._costs: dict = {}   # microbatch -> the profiles reduced (`costs`)
 
+    def at_width(self, width: int) -> "Model":
+        """The same model (depth, profiling settings) at another width: this one at its own."""
+        return self if width == self.width else dataclasses.replace(self, width=width)
+
     def batch(self, n: int, seed: int = 0):
         r = np.random.default_rng(seed)
         return (r.standard_normal((n, self.width), np.float32),
@@ -114,6 +118,12 @@ def prepare_step(model: Model, *, data: int, pipe: int, M: int, batch: int, boun
     run = lambda: jax.block_until_ready(step(variables, x, y))  # noqa: E731
     run()
     return run
+
+
+def combine_passes(first: float, second: float, reduce: str = "median") -> float:
+    """One step's time from two timing passes (`time_steps` twice): the faster where runs
+    are summarised by their minimum (reduce="min"), else their mean."""
+    return min(first, second) if reduce == "min" else (first + second) / 2
 
 
 def time_steps(runs_of, runs: int = 7, reduce: str = "median") -> list[float]:

@@ -5,10 +5,11 @@ gives: how many simulated devices compute at once (`compute_slots` in a data-par
 program, `lockstep_slots` in the pipelined one), the engine's own work per device per
 tick (`tick_overhead`, `tick_param_bytes`), per task (`task_overhead`), per collective
 (`collective_overhead`) and per step (`launch_overhead`), its waiting per tick
-(`tick_latency`) and the streaming memory bandwidth. `jaxhybrid.bench.projection_fit.calibrate` fits them on this host; `save`
-keeps them in `<cache dir>/calibration/<device key>.json` and `load` gives them back as
-a `Hardware`, so the projection, the planner (`stored_hardware`: `make_plan(hardware=)`
-from `plan_from_config` and `Pipeline`) and later benchmark runs use one fit.
+(`tick_latency`) and the streaming memory bandwidth.
+`jaxhybrid.bench.projection_fit.calibrate` fits them on this host; `save` keeps them in
+`<cache dir>/calibration/<device key>.json` and `load` gives them back as a `Hardware`,
+so the projection, the planner (`stored_hardware`: `make_plan(hardware=)` from
+`plan_from_config` and `Pipeline`) and later benchmark runs use one fit.
 
 The device key names what the terms depend on: platform, device kind, device count and,
 for CPU devices (simulated devices share the host's cores), the number of cores.
