@@ -358,3 +358,21 @@ def test_burst_script_bad_flags_fail_in_one_line(tmp_path, flag, message):
         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr   # the script's own line, or absl's for a list of ints
+
+
+@pytest.mark.parametrize("hardware", ["v100_dgx1", "measured"])
+def test_branches_and_layers_price_their_all_reduce_alike(hardware):
+    """A branch with a layer's parameters syncs in the layer's time at every width, on a
+    preset cluster and on measured hardware alike (the branches were priced as a ring
+    over the cluster's topology on measured hardware, the layers hierarchically)."""
+    # Two nodes of 4 (the ring over the cluster's topology and the hierarchical
+    # all-reduce part there) and, measured, 2 compute slots (a shared host).
+    hw = (measured_device(devices_per_node=4, inter_bandwidth=1e9, compute_slots=2.0)
+          if hardware == "measured" else hardware)
+    costs = _timed_costs([1e-3, 2e-3, 1e-3], param_count=50_000)
+    branches = {1: _timed_costs([1e-3, 1e-3], param_count=50_000)}
+    tab = planner.build_tables(costs, num_devices=8, batch_size=16, hardware=hw,
+                               branches=branches)
+    for row in tab.branches[1]["sync"]:
+        np.testing.assert_allclose(row, tab.sync[1], rtol=1e-12)
+    assert tab.sync[1, -1] > 0

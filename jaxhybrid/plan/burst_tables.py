@@ -203,6 +203,19 @@ class _Tables:
         return bool(k == 0 or self.fast[l] or t[k] * self.widths[k] / t[0] <= limit + 1e-12)
 
 
+def _sync_times(costs, widths, hw: Hardware, topology: Topology | None) -> np.ndarray:
+    """[layer, width] seconds of each layer's (or branch's) gradient all-reduce over a
+    group of that width: a given network (`topology`), a ring over its first g devices;
+    else the preset cluster's hierarchical (NCCL-style) all-reduce, as the projection
+    prices it. Layers and branches are priced alike, so that a branch block competes with
+    its layers on the same terms."""
+    grad_bytes = [c.param_count * hw.grad_bytes for c in costs]
+    if topology is not None:
+        return np.array([[topology.allreduce_time(range(g), gb) for g in widths]
+                         for gb in grad_bytes])
+    return np.array([[allreduce_time(hw, g, 1, [gb]) for g in widths] for gb in grad_bytes])
+
+
 def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1",
                  topology: Topology | None = None, small_batch: SmallBatchModel | None = None,
                  fast_layer_time: float = DEFAULT_FAST_LAYER_TIME,
@@ -225,11 +238,7 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     fb = [layer_times_at(fn(batch_size // g), hw, model, base) for g in widths]
     fwd, bwd = np.stack([x[0] for x in fb], 1), np.stack([x[1] for x in fb], 1)
     full = fn(batch_size)
-    grad_bytes = [c.param_count * hw.grad_bytes for c in full]
-    if topology is not None:    # a given network: ring all-reduce over its first g devices
-        sync = np.array([[topo.allreduce_time(range(g), gb) for g in widths] for gb in grad_bytes])
-    else:                       # a preset cluster: hierarchical (NCCL-style), as projections
-        sync = np.array([[allreduce_time(hw, g, 1, [gb]) for g in widths] for gb in grad_bytes])
+    sync = _sync_times(full, widths, hw, topo if topology is not None else None)
     in_bytes = np.array([c.in_bytes / c.batch_size * hw.bytes_scale for c in full])
     relayout = {(a, b): _relayout_terms(topo, widths[a], widths[b], batch_size)
                 for a in range(len(widths)) for b in range(len(widths)) if a != b}
@@ -251,15 +260,9 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
         bbase = None if callable(bcosts) else list(bcosts)
         times = [layer_times_at(bfn(batch_size // g), hw, model, bbase) for g in widths]
         bfull = bfn(batch_size)
-        if hw.uses_measured_times or topology is not None:
-            bsync = [[topo.allreduce_time(range(g), c.param_count * hw.grad_bytes) for g in widths]
-                     for c in bfull]
-        else:
-            bsync = [[allreduce_time(hw, g, 1, [c.param_count * hw.grad_bytes]) for g in widths]
-                     for c in bfull]
         tab.branches[int(l)] = {
             "fwd": np.stack([t[0] for t in times], 1), "bwd": np.stack([t[1] for t in times], 1),
-            "sync": np.array(bsync),
+            "sync": _sync_times(bfull, widths, hw, topo if topology is not None else None),
             "out_bytes": np.array([c.out_bytes / c.batch_size * hw.bytes_scale for c in bfull])}
     return tab
 
