@@ -177,7 +177,7 @@ def calibrate_and_validate(model: Model, cal: Model, val_configs, *, cal_configs
     slower a few minutes later, every step alike), and a fit taken before that drift
     would mis-predict every row after it. Both timing passes time the calibration's steps
     too; the fit uses the faster (reduce="min") or mean of the two. The layers are profiled
-once more after the timing (`Model.reprofile`), for the same reason."""
+    once more after the timing (`Model.reprofile`), for the same reason."""
     c = prepare_calibration(model, cal, configs=cal_configs, batch=batch, schedule=schedule)
     rows, steps = prepare_validation(model, val_configs, batch=batch,
                                      hw=host_device(c.bandwidth), schedule=schedule)

@@ -238,7 +238,7 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
     fb = [layer_times_at(fn(batch_size // g), hw, model, base) for g in widths]
     fwd, bwd = np.stack([x[0] for x in fb], 1), np.stack([x[1] for x in fb], 1)
     full = fn(batch_size)
-    sync = _sync_times(full, widths, hw, topo if topology is not None else None)
+    sync = _sync_times(full, widths, hw, topology)
     in_bytes = np.array([c.in_bytes / c.batch_size * hw.bytes_scale for c in full])
     relayout = {(a, b): _relayout_terms(topo, widths[a], widths[b], batch_size)
                 for a in range(len(widths)) for b in range(len(widths)) if a != b}
@@ -262,7 +262,7 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
         bfull = bfn(batch_size)
         tab.branches[int(l)] = {
             "fwd": np.stack([t[0] for t in times], 1), "bwd": np.stack([t[1] for t in times], 1),
-            "sync": _sync_times(bfull, widths, hw, topo if topology is not None else None),
+            "sync": _sync_times(bfull, widths, hw, topology),
             "out_bytes": np.array([c.out_bytes / c.batch_size * hw.bytes_scale for c in bfull])}
     return tab
 
