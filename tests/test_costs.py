@@ -151,6 +151,24 @@ def test_measure_gives_positive_times(timing):
     assert all(x.measured and x.fwd_time > 0 and x.bwd_time > 0 for x in c)
 
 
+def test_split_backward_values_by_hand(costs):
+    # Split as the engine splits a backward into B (input gradient) and W (weight
+    # gradient): W of a Dense reads its input (a residual) and the output's cotangent,
+    # which B hands over (a crossing value); W of relu(Conv) the cotangent past the relu,
+    # which B computes; the embedding (integer input, no B) reads the token ids and gets
+    # the output's cotangent.
+    embed, conv, _, dense = costs[:4]
+    assert dense.cross_by_dtype == {"float32": B * T * HID * F32}
+    assert dense.weight_saved_by_dtype == {"float32": B * T * CONV * F32}
+    assert conv.cross_by_dtype == {"float32": B * T * CONV * F32}
+    assert conv.weight_saved_by_dtype == {"float32": B * T * EMB * F32}
+    assert embed.cross_by_dtype == {"float32": B * T * EMB * F32}
+    assert embed.weight_saved_by_dtype == {"int32": B * T * 4}
+    twice = dense.scaled(2 * B)
+    assert twice.cross_by_dtype == {"float32": 2 * B * T * HID * F32}
+    assert twice.weight_saved_by_dtype == {"float32": 2 * B * T * CONV * F32}
+
+
 def test_dict_round_trip_and_scaling(costs):
     for c in costs:
         d = c.to_dict()

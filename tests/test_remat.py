@@ -62,6 +62,35 @@ def test_memory_model_by_hand():
     assert dev_r == fixed + rows * max(1000, 200 + 50) + 2800 + work[1]
 
 
+def test_split_backward_cross_ring_by_hand():
+    import dataclasses
+
+    from jaxhybrid.plan.remat import memory_terms
+
+    # The float32 row is stage 1's 2000 B plus the loss's 50. Stage 0's W still reads
+    # 600 B of it: 1450 free for its 300 B of crossing values. Stage 1's W reads 1500:
+    # 550 free for 900 -> 350 B over, into the cross ring.
+    costs = [dataclasses.replace(layer(0, saved=1000, inp=100), cross_by_dtype={"float32": 300},
+                                 weight_saved_by_dtype={"float32": 600}),
+             dataclasses.replace(layer(1, saved=3000, inp=200, out=50),
+                                 saved_by_dtype={"float32": 2000, "bool": 1000},
+                                 cross_by_dtype={"float32": 900},
+                                 weight_saved_by_dtype={"float32": 1500})]
+    zb = make_schedule("zb-h1", 2, 4)
+    slots = zb.ring_slots()[1]["cross"]
+    assert slots > 0
+    terms = memory_terms(costs, [1], zb)
+    assert terms["cross"] == slots * 350
+    assert sum(terms.values()) == spmd_memory(costs, [1], zb)[1]
+    # No split backward, no cross ring; unknown split values (profiles of old), none.
+    assert memory_terms(costs, [1], make_schedule("1f1b", 2, 4))["cross"] == 0
+    plain = [dataclasses.replace(c, cross_by_dtype={}, weight_saved_by_dtype={}) for c in costs]
+    assert memory_terms(plain, [1], zb)["cross"] == 0
+    # Recomputing layer 1: its row is its 200-byte input (+ the loss's 50), and B makes
+    # again the 1500 B W reads, so they cross too: 2400 - max(1000, 250) = 1400 over.
+    assert memory_terms(costs, [1], zb, [False, True])["cross"] == slots * 1400
+
+
 def device_memory(costs, cuts, sched, remat=None):
     return spmd_memory(costs, cuts, sched, remat)[1]
 

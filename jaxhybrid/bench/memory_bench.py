@@ -22,7 +22,9 @@ place of the config's, if given), with the planner's boundaries and no recomputa
              (then the prediction drops the Adam moments: param_state_factor 2);
   padding    the runtime's packed buffers next to the model's sizes: parameter buffer
              per device vs the largest device's parameters, residual row vs the largest
-             stage's kept residuals (whole buffers and the longest stage set the padding).
+             stage's kept residuals (whole buffers and the longest stage set the padding),
+             and with a split backward the cross ring (crossing values that did not fit
+             in the row's free space) vs the model's `cross` term.
 
 Printed per model: the predicted terms, their sum, the compiled figures and the error
 (predicted / compiled - 1). Nothing is run: compiling needs shapes only.
@@ -54,7 +56,7 @@ flags.DEFINE_string("config_schedule", "", "a registered schedule in place of ea
 
 CONFIGS = {"inception_v3": "inception_hybrid.py", "gnmt": "gnmt_hybrid.py",
            "biglstm": "biglstm_hybrid.py", "gpt": "gpt_hybrid.py"}
-TERMS = ("params", "opt_state", "grads", "state", "stash", "working", "inboxes", "inputs",
+TERMS = ("params", "opt_state", "grads", "state", "stash", "working", "cross", "inboxes", "inputs",
          "versions")
 
 
@@ -123,7 +125,8 @@ def compare(config, step: str = "train") -> dict:
     mb_tg = pipe._microbatch(ys, "targets")
     rng_aval = jax.ShapeDtypeStruct(jax.random.key_data(rng).shape, jax.random.key_data(rng).dtype)
     lay = pipe._layouts(mb_in, mb_tg, spec.loss_fn, True, rng_aval)
-    rows = pipe.schedule.ring_slots()[1]["stash"]
+    rings = pipe.schedule.ring_slots()[1]
+    rows = rings["stash"]
     predicted = float(sum(terms.values()))
     return dict(model=config.model.name, size=config.model.size, data=config.mesh.data,
                 pipe=config.mesh.pipe, M=M, microbatch=costs[0].batch_size,
@@ -133,6 +136,7 @@ def compare(config, step: str = "train") -> dict:
                 alias=float(ma.alias_size_in_bytes), compiled=compiled,
                 error=predicted / compiled - 1.0,
                 param_buffer=float(_nbytes(pipe.param_len)), residual_row=float(_nbytes(lay.res_len)),
+                cross_ring=float(rings.get("cross", 0) * _nbytes(lay.cross_len)),
                 model_row=terms["stash"] / rows if rows else 0.0,
                 plan_s=plan_s, compile_s=compile_s)
 
@@ -147,7 +151,9 @@ def print_row(r: dict) -> None:
           f"+ temp {fmt_bytes(r['temp'])} - alias {fmt_bytes(r['alias'])}")
     print(f"  padding:   parameter buffer {fmt_bytes(r['param_buffer'])} (model "
           f"{fmt_bytes(r['terms']['params'])}); residual row {fmt_bytes(r['residual_row'])} "
-          f"(model {fmt_bytes(r['model_row'])})")
+          f"(model {fmt_bytes(r['model_row'])})" + (
+              f"; cross ring {fmt_bytes(r['cross_ring'])} (model {fmt_bytes(r['terms']['cross'])})"
+              if r["cross_ring"] or r["terms"]["cross"] else ""))
     print(f"  per device: predicted {fmt_bytes(r['predicted'])} ({r['predicted']:.0f} B), "
           f"compiled {fmt_bytes(r['compiled'])} ({r['compiled']:.0f} B), error {r['error']:+.1%}")
 

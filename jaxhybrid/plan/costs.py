@@ -25,7 +25,12 @@ returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py c
                      per dtype, each padded to the stage with the most of that dtype;
   bwd_temp_bytes     the temporaries of the layer's compiled backward (`memory_analysis()`
                      temp bytes: intermediate cotangents, a scan's gradient accumulators),
-                     held by the backward slot beside the residuals it reads.
+                     held by the backward slot beside the residuals it reads;
+  cross_by_dtype     with the backward split as the engine splits it (zb-h1, zbv:
+                     `pipeline.backward.SplitBackward` over the stashed residuals), what
+                     the input half B hands to the weight half W (the crossing values);
+  weight_saved_by_dtype  the stashed residuals W still reads once B has run (the rest of
+                     the row is free for crossing values).
 
 Times: measured (median, or minimum, of `repeats` runs after a warm-up,
 `block_until_ready`, less the same figure for a compiled no-op taking the same arguments:
@@ -125,8 +130,9 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 5   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
-#                   5: residuals the backward recomputes cheaply are not counted
+COST_FORMAT = 6   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+#                   5: residuals the backward recomputes cheaply are not counted;
+#                   6: a split backward's crossing values and W's residuals
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -353,6 +359,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     if measure:
         yf, vjp_fn = jax.jit(forward_vjp)(params, xf, state, x_leaves)
     saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
+    split = _split_backward_bytes(forward_vjp, (params, xf, state, x_leaves)) if yf else {}
     bwd_lowered = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
@@ -361,6 +368,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   in_bytes=_nbytes(x), out_bytes=_nbytes(y),
                   saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
+                  cross_by_dtype=split.get("cross", {}),
+                  weight_saved_by_dtype=split.get("weight_saved", {}),
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),
                                 boxed_params=boxed_params, asks_degree=bool(asked)))
@@ -398,11 +407,44 @@ def _stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
 
     out = closed.jaxpr.outvars
     leaves = [out[num_outputs + i] for i in kept]
-    stashed = [leaves[i].aval for i in Derivation.of(closed, leaves).stash]
-    by_dtype: dict = {}
-    for a in stashed:
-        by_dtype[np.dtype(a.dtype).name] = by_dtype.get(np.dtype(a.dtype).name, 0) + _nbytes(a)
+    by_dtype = _bytes_by_dtype([leaves[i].aval for i in Derivation.of(closed, leaves).stash])
     return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype}
+
+
+def _split_backward_bytes(forward_vjp, args) -> dict:
+    """{"cross", "weight_saved"}: by dtype, the crossing values of the layer's backward
+    split into B and W as the engine splits a stage's (its stashed residuals from
+    `Residuals` and `Derivation`, `SplitBackward` over them), and the stashed residuals
+    W reads. Traced abstractly. {} when the backward cannot be split (a schedule with
+    a split backward then fails in the pipeline itself, with its own message)."""
+    import jax
+
+    from jaxhybrid.pipeline.backward import Residuals, SplitBackward
+
+    residuals = Residuals()
+
+    def forward(p, *rest):
+        yf, vjp_fn = forward_vjp(p, *rest)
+        return yf, residuals.split(0, vjp_fn, p)
+
+    try:
+        closed, (yf, kept) = jax.make_jaxpr(forward, return_shape=True)(*args)
+        n = len(jax.tree.leaves(yf))
+        kept = [kept[i] for i in residuals.derive(0, closed, closed.jaxpr.outvars[
+            n:n + len(kept)]).stash]
+        split = SplitBackward(lambda p, res, ct: residuals.rebuild(0, res, p)(ct), args[0],
+                              kept, list(yf), len(jax.tree.leaves(args[0])))
+    except Exception:   # noqa: BLE001  (only split schedules' memory estimate is lost)
+        return {}
+    live = [a for a, w in zip(kept, split.weight_reads_residual) if w]
+    return {"cross": _bytes_by_dtype(split.crossing_avals), "weight_saved": _bytes_by_dtype(live)}
+
+
+def _bytes_by_dtype(avals) -> dict:
+    out: dict = {}
+    for a in avals:
+        out[np.dtype(a.dtype).name] = out.get(np.dtype(a.dtype).name, 0) + _nbytes(a)
+    return out
 
 
 def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):

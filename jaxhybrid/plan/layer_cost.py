@@ -66,6 +66,11 @@ class LayerCost:
     model_bwd_collectives: int = 0    # ... and backward
     bwd_temp_bytes: int = 0    # the compiled backward's temporaries (0: unknown)
     saved_by_dtype: dict = dataclasses.field(default_factory=dict)   # {} : unknown
+    # A split backward (zb-h1, zbv) by dtype ({}: unknown): the values its input half B
+    # hands to its weight half W (`pipeline.backward.SplitBackward`'s crossing values:
+    # intermediate cotangents), and the stashed residuals W still reads after B.
+    cross_by_dtype: dict = dataclasses.field(default_factory=dict)
+    weight_saved_by_dtype: dict = dataclasses.field(default_factory=dict)
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -78,9 +83,9 @@ class LayerCost:
         ints = {f: int(round(getattr(self, f) * r)) for f in (
             "in_bytes", "out_bytes", "saved_bytes", "saved_bytes_remat", "model_saved_bytes",
             "model_fwd_comm_bytes", "model_bwd_comm_bytes", "bwd_temp_bytes")}
-        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints,
-                                   saved_by_dtype={k: int(round(v * r))
-                                                   for k, v in self.saved_by_dtype.items()})
+        per_dtype = {f: {k: int(round(v * r)) for k, v in getattr(self, f).items()}
+                     for f in BY_DTYPE_FIELDS}
+        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints, **per_dtype)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,8 +95,9 @@ class LayerCost:
         return cls(**d)
 
 
+BY_DTYPE_FIELDS = ("saved_by_dtype", "cross_by_dtype", "weight_saved_by_dtype")
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
-                    if f.name not in ("name", "saved_by_dtype"))
+                    if f.name != "name" and f.name not in BY_DTYPE_FIELDS)
 
 
 def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:

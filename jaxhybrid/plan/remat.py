@@ -25,6 +25,11 @@ each term by name; `scripts/bench.py memory` compares their sum with the compile
                                    backward (zb-h1, zbv: split = 1) holds a second row,
                                    the copy B writes its cotangents for W into before it
                                    goes back to the ring
+    cross        cross_slots * max_s overflow_s   a split backward's crossing values
+                                   (`LayerCost.cross_by_dtype`) go into the space of the
+                                   residuals W no longer reads (the row less the stage's
+                                   `weight_saved_by_dtype`, per dtype); what does not fit
+                                   into the cross ring (0 without a split backward)
     inboxes      (act_slots + 1 + grad_slots + 1 + 2) * max boundary bytes: the rings
                                    (and their dummy rows), and the last activation and
                                    gradient the device sent (`Carry.act_out` / `grad_out`)
@@ -163,6 +168,43 @@ def _kept_by_dtype(costs, a, b, r) -> dict:
     return out
 
 
+def _cross_ring(costs, ranges, r, schedule) -> float:
+    """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
+    and dtype, the crossing values beyond the row's space that W does not read (the
+    padded row less the residuals W still reads); the ring's row is the largest stage's,
+    per dtype, summed. A recomputed layer's residuals are made again by B, so what W
+    reads of them crosses too. Byte counts, not the runtime's first fit of whole values
+    (`packing.place_in_free_space`): a value that fits only in pieces is counted as
+    fitting (Inception-V3 tiny, zb-h1, S=4: a row of 175KB predicted, 314KB in the
+    runtime)."""
+    slots = schedule.ring_slots()[1].get("cross", 0)
+    if not (getattr(schedule, "split_backward", False) and slots):
+        return 0.0
+    by_dtype = [_kept_by_dtype(costs, a, b, r) for a, b in ranges]
+    row = {d: max(k.get(d, 0.0) for k in by_dtype) for k in by_dtype for d in k}
+    over: dict = {}
+    for a, b in ranges:
+        cross, live = {}, {}
+        for i, c in enumerate(costs[a:b], a):
+            scale = _residual_share(c)
+            for d, v in c.cross_by_dtype.items():
+                cross[d] = cross.get(d, 0.0) + v * scale
+            for d, v in c.weight_saved_by_dtype.items():
+                into = cross if r[i] else live
+                into[d] = into.get(d, 0.0) + v * scale
+        for d, v in cross.items():
+            over[d] = max(over.get(d, 0.0), v - max(row.get(d, 0.0) - live.get(d, 0.0), 0.0))
+    return float(slots * sum(max(v, 0.0) for v in over.values()))
+
+
+def _residual_share(c) -> float:
+    """The part of a layer's residuals one device holds (`saved_bytes` over the by-dtype
+    total: below 1 with tensor parallelism, `model_axis.local_cost`); a split backward's
+    values are split alike."""
+    total = sum(c.saved_by_dtype.values())
+    return c.saved_bytes / total if total else 1.0
+
+
 def _transient(costs, a, b, r) -> float:
     """The largest residuals a recomputed layer of the stage re-materialises."""
     return float(max([max(c.saved_bytes - c.saved_bytes_remat, 0)
@@ -207,7 +249,8 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
     ranges, r = _checked(costs, boundaries, schedule, remat)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
     kept, row, work = _row_terms(costs, ranges, r)
-    return fixed + rows * kept + work, float(fixed + rows * row + work.max())
+    cross = _cross_ring(costs, ranges, r, schedule)
+    return fixed + cross + rows * kept + work, float(fixed + cross + rows * row + work.max())
 
 
 def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
@@ -222,7 +265,8 @@ def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule
     _, row, work = _row_terms(costs, ranges, r)
     terms = _fixed_terms(costs, ranges, schedule, param_state_factor)
     terms.update(stash=float(schedule.ring_slots()[1]["stash"] * row),
-                 working=float(_working_rows(schedule) * row + work.max()))
+                 working=float(_working_rows(schedule) * row + work.max()),
+                 cross=_cross_ring(costs, ranges, r, schedule))
     return terms
 
 
