@@ -285,18 +285,17 @@ class _Begun:
 
 
 def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) -> _Begun:
-    """Plan, compile (one process: from the layers' shapes, while the initialiser still
-    runs), initialise and restore: the phases of the start-up line."""
+    """Plan, compile (from the layers' shapes, while the initialiser still runs),
+    initialise and restore: the phases of the start-up line."""
     t, pipe = config.train, run.pipe
     init_rng, train_rng = jax.random.split(jax.random.key(t.seed))
     layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
     with phases("plan", split_compile=False):
         pipe.make_plan(run.sample_inputs)
     train_step = masks = None
-    # One process: the plan is final, so the step compiles now (after the checkpoint to
-    # resume from is found to fit). (Several processes compile at the first step, after
-    # the restore; their plans agree: `make_plan` used process 0's costs on all.)
-    if layer_init is not None and jax.process_count() == 1:
+    # The plan is final (on several processes every one planned from process 0's costs),
+    # so the step compiles now, after the checkpoint to resume from is found to fit.
+    if layer_init is not None:
         train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
                                                         jax.random.fold_in(train_rng, 1), ckpt,
                                                         config.pipeline)
@@ -344,8 +343,10 @@ def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, r
             compiled = compile_ahead(run, train_step, state, masks, rng)
             planned = (run.pipe.plan.device_memory
                        if p.boundaries is None or p.memory_budget is not None else None)
-            logging.info(check_step_memory(compiled, p.memory_budget, planned,
-                                           device_memory_limit()))
+            # Several processes: a step too big for one process's device stops them all
+            # (the others would wait for it in the first step's collectives).
+            logging.info(distributed.fail_together(lambda: check_step_memory(
+                compiled, p.memory_budget, planned, device_memory_limit()), ConfigError))
     return train_step, masks
 
 

@@ -178,6 +178,11 @@ def test_two_processes_train_like_one_on_the_same_mesh(runs):
     assert len(list((runs["root"] / "2p").glob("events.out.tfevents.*"))) == 1
     logged = lambda i: [l for l in runs["2p"].lines if l.startswith(f"[{i}]") and "] step " in l]
     assert logged(0) and not logged(1)
+    # The step was compiled from the layers' shapes before it ran, and its memory
+    # checked, on several processes as on one (fresh, and resumed on the planner's cuts).
+    for run in ("2p", "2p_moved"):
+        assert any(l.startswith("[0]") and "memory per device: the compiled step needs" in l
+                   for l in runs[run].lines), runs[run].output()
 
 
 def test_two_process_checkpoint_resumes_in_one_process(runs, tmp_path):
