@@ -1,9 +1,9 @@
 """The SPMD pipeline runtime: `Pipeline` runs heterogeneous Flax layers as stages."""
 from jaxhybrid.pipeline.api import Pipeline
-from jaxhybrid.pipeline.reference import reference_value_and_grad
+from jaxhybrid.pipeline.reference import reference_loss, reference_value_and_grad
 from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, make_schedule
 from jaxhybrid.splitter.program import stage_boundary  # noqa: F401 (a forced cut in a model)
 
 __all__ = ["Pipeline", "Schedule", "make_schedule", "SCHEDULES", "SCHEDULE_NAMES",
-           "reference_value_and_grad", "even_boundaries", "stage_boundary"]
+           "reference_value_and_grad", "reference_loss", "even_boundaries", "stage_boundary"]

@@ -24,6 +24,32 @@ def reference_value_and_grad(layers: Sequence, per_layer: Sequence[dict], loss_f
                              num_microbatches: int = 1, rng: jax.Array | None = None,
                              train: bool = True):
     """Returns (loss, per-layer param grads, new per-layer variables), run sequentially."""
+    params, states, total = _reference_total(layers, per_layer, loss_fn, inputs, targets,
+                                             data, num_microbatches, rng, train)
+    (loss, new_states), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params, states)
+    return loss, grads, _variables(params, new_states)
+
+
+def reference_loss(layers: Sequence, per_layer: Sequence[dict], loss_fn: Callable,
+                   inputs: PyTree, targets: PyTree, *, data: int = 1,
+                   num_microbatches: int = 1, rng: jax.Array | None = None,
+                   train: bool = True):
+    """Returns (loss, new per-layer variables) of `reference_value_and_grad` without the
+    gradients: its forward alone (compiles in about a third of the time)."""
+    params, states, total = _reference_total(layers, per_layer, loss_fn, inputs, targets,
+                                             data, num_microbatches, rng, train)
+    loss, new_states = jax.jit(total)(params, states)
+    return loss, _variables(params, new_states)
+
+
+def _variables(params, states) -> list:
+    return [{"params": p, **st} for p, st in zip(params, states)]
+
+
+def _reference_total(layers, per_layer, loss_fn, inputs, targets, data, num_microbatches,
+                     rng, train):
+    """(per-layer params, per-layer other variables, total(params, states) -> (loss, new
+    states)): the model run as the module docstring says."""
     n = data * num_microbatches
     params = [dict(v).get("params", {}) for v in per_layer]
     states = [{c: t for c, t in dict(v).items() if c != "params"} for v in per_layer]
@@ -52,9 +78,7 @@ def reference_value_and_grad(layers: Sequence, per_layer: Sequence[dict], loss_f
                                      (jnp.arange(data), split(inputs), split(targets)))
         return jnp.mean(losses), jax.tree.map(_mean_over_shards, finals)
 
-    (loss, new_states), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params, states)
-    new_vars = [{"params": p, **st} for p, st in zip(params, new_states)]
-    return loss, grads, new_vars
+    return params, states, total
 
 
 def _mean_over_shards(a: jax.Array) -> jax.Array:
