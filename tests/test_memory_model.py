@@ -59,3 +59,13 @@ def test_split_backward_cross_ring_is_priced(gpt_zb):
     assert r["cross_ring"] > 0
     assert r["terms"]["cross"] == pytest.approx(r["cross_ring"], rel=0.1)
     assert abs(r["error"]) <= 0.10, (r["predicted"], r["compiled"], r["terms"])
+
+
+def test_recomputed_split_backward_needs_no_cross_ring():
+    # Every layer recomputed: B runs the forward again and with it nearly all of the
+    # weight gradient, so W reads no residual and gets a few parameter-sized values that
+    # fit the row. Counting the layers' crossing values predicted 490KB of ring (+45%).
+    r = memory_bench.compare(memory_bench.model_config("gpt", "tiny", 4, schedule="zb-h1"),
+                             "train", remat="full")
+    assert r["cross_ring"] == 0 and r["terms"]["cross"] == 0
+    assert abs(r["error"]) <= 0.10, (r["predicted"], r["compiled"], r["terms"])

@@ -2,10 +2,12 @@
 
     python scripts/bench.py memory [--models=inception_v3,gnmt,biglstm,gpt] [--size=tiny]
                                    [--pipe=4] [--step=train|grad] [--config_schedule=zb-h1]
+                                   [--remat=none|full]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
 batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in
-place of the config's, if given), with the planner's boundaries and no recomputation:
+place of the config's, if given), with the planner's boundaries and no recomputation
+(--remat=full: every layer recomputed in its backward):
 
   predicted  the planner's memory model of the engine (`plan.remat.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the
@@ -51,6 +53,8 @@ flags.DEFINE_string("size", "tiny", "model size (tiny | small | full), or 'confi
 flags.DEFINE_integer("pipe", 4, "pipeline stages S.")
 flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step with AdamW "
                   "(scripts/train.py); grad: the pipeline's value_and_grad step alone.")
+flags.DEFINE_enum("remat", "none", ["none", "full"], "recomputation of the step compared: "
+                  "none, or full (every layer's forward again in its backward).")
 flags.DEFINE_string("config_schedule", "", "a registered schedule in place of each config's "
                     "pipeline.schedule (e.g. zb-h1, zbv); empty: the config's own.")
 
@@ -77,7 +81,7 @@ def _nbytes(lengths: dict) -> int:
     return int(sum(n * np.dtype(dtype_of(k)).itemsize for k, n in lengths.items()))
 
 
-def compare(config, step: str = "train") -> dict:
+def compare(config, step: str = "train", remat: str = "none") -> dict:
     """Predicted terms and compiled bytes of one config's step (module docstring)."""
     import jaxhybrid as jh
     from jaxhybrid import models
@@ -92,13 +96,13 @@ def compare(config, step: str = "train") -> dict:
     mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
     M = config.pipeline.num_microbatches
     pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M,
-                       schedule=config.pipeline.schedule, remat="none")
+                       schedule=config.pipeline.schedule, remat=remat)
     x, y = spec.sample_batch(config.train.batch_size)
     t0 = time.perf_counter()
     pipe.make_plan(x)
     costs = _profile_cached(pipe.layers, pipe._sample)
     factor = 4 if step == "train" else 2
-    terms = memory_terms(costs, pipe.boundaries, pipe.schedule,
+    terms = memory_terms(costs, pipe.boundaries, pipe.schedule, [remat == "full"] * len(costs),
                          param_state_factor=factor)
     plan_s = time.perf_counter() - t0
 
@@ -171,7 +175,7 @@ def main(argv) -> None:
         if config.mesh.data * config.mesh.pipe > jax.device_count():
             raise SystemExit(f"bench memory: {name} needs data {config.mesh.data} x pipe "
                              f"{config.mesh.pipe} devices, found {jax.device_count()}.")
-        rows.append(compare(config, FLAGS.step))
+        rows.append(compare(config, FLAGS.step, FLAGS.remat))
         print_row(rows[-1])
     err = np.abs([r["error"] for r in rows])
     print(f"\nmean |error| {err.mean():.1%}, worst {err.max():.1%} over {len(rows)} models; "

@@ -172,8 +172,10 @@ def _cross_ring(costs, ranges, r, schedule) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values beyond the row's space that W does not read (the
     padded row less the residuals W still reads); the ring's row is the largest stage's,
-    per dtype, summed. A recomputed layer's residuals are made again by B, so what W
-    reads of them crosses too. Byte counts, not the runtime's first fit of whole values
+    per dtype, summed. A recomputed layer adds nothing: B runs its forward again and
+    with it nearly all of its weight gradient, leaving W a few parameter-sized values and
+    no residual to read (GPT tiny, zb-h1, every stage recomputed: no cross ring in the
+    runtime, where counting the layers' crossing values predicted 490KB). Byte counts, not the runtime's first fit of whole values
     (`packing.place_in_free_space`): a value that fits only in pieces is counted as
     fitting (Inception-V3 tiny, zb-h1, S=4: a row of 175KB predicted, 314KB in the
     runtime)."""
@@ -186,12 +188,13 @@ def _cross_ring(costs, ranges, r, schedule) -> float:
     for a, b in ranges:
         cross, live = {}, {}
         for i, c in enumerate(costs[a:b], a):
+            if r[i]:
+                continue
             scale = _residual_share(c)
             for d, v in c.cross_by_dtype.items():
                 cross[d] = cross.get(d, 0.0) + v * scale
             for d, v in c.weight_saved_by_dtype.items():
-                into = cross if r[i] else live
-                into[d] = into.get(d, 0.0) + v * scale
+                live[d] = live.get(d, 0.0) + v * scale
         for d, v in cross.items():
             over[d] = max(over.get(d, 0.0), v - max(row.get(d, 0.0) - live.get(d, 0.0), 0.0))
     return float(slots * sum(max(v, 0.0) for v in over.values()))
