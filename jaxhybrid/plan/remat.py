@@ -172,10 +172,11 @@ def _cross_ring(costs, ranges, r, schedule) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values beyond the row's space that W does not read (the
     padded row less the residuals W still reads); the ring's row is the largest stage's,
-    per dtype, summed. A recomputed layer adds nothing: B runs its forward again and
-    with it nearly all of its weight gradient, leaving W a few parameter-sized values and
-    no residual to read (GPT tiny, zb-h1, every stage recomputed: no cross ring in the
-    runtime, where counting the layers' crossing values predicted 490KB). Byte counts, not the runtime's first fit of whole values
+    per dtype, summed. A recomputed layer adds nothing: its row is its input alone, and
+    what its W needs B mostly makes again in its own recomputation (tiny models, zb-h1,
+    every layer recomputed: no ring in GPT's and BigLSTM's runtime, 26KB in GNMT's,
+    1.25MB in Inception-V3's; counting the layers' crossing values predicted 502KB,
+    419KB and 6MB, and counting them without W's residuals 261KB for GPT). Byte counts, not the runtime's first fit of whole values
     (`packing.place_in_free_space`): a value that fits only in pieces is counted as
     fitting (Inception-V3 tiny, zb-h1, S=4: a row of 175KB predicted, 314KB in the
     runtime)."""
