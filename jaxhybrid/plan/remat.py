@@ -168,7 +168,7 @@ def _kept_by_dtype(costs, a, b, r) -> dict:
     return out
 
 
-def _cross_ring(costs, ranges, r, schedule) -> float:
+def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values beyond the row's space that W does not read (the
     padded row less the residuals W still reads); the ring's row is the largest stage's,
@@ -176,15 +176,14 @@ def _cross_ring(costs, ranges, r, schedule) -> float:
     what its W needs B mostly makes again in its own recomputation (tiny models, zb-h1,
     every layer recomputed: no ring in GPT's and BigLSTM's runtime, 26KB in GNMT's,
     1.25MB in Inception-V3's; counting the layers' crossing values predicted 502KB,
-    419KB and 6MB, and counting them without W's residuals 261KB for GPT). Byte counts, not the runtime's first fit of whole values
-    (`packing.place_in_free_space`): a value that fits only in pieces is counted as
-    fitting (Inception-V3 tiny, zb-h1, S=4: a row of 175KB predicted, 314KB in the
-    runtime)."""
+    419KB and 6MB, and counting them without W's residuals 261KB for GPT). Byte counts,
+    not the runtime's first fit of whole values (`packing.place_in_free_space`): a value
+    that fits only in pieces is counted as fitting (Inception-V3 tiny, zb-h1, S=4: a row
+    of 175KB predicted, 314KB in the runtime). `row`: the padded stash row by dtype
+    (`_row_terms`)."""
     slots = schedule.ring_slots()[1].get("cross", 0)
     if not (getattr(schedule, "split_backward", False) and slots):
         return 0.0
-    by_dtype = [_kept_by_dtype(costs, a, b, r) for a, b in ranges]
-    row = {d: max(k.get(d, 0.0) for k in by_dtype) for k in by_dtype for d in k}
     over: dict = {}
     for a, b in ranges:
         cross, live = {}, {}
@@ -228,14 +227,14 @@ def _checked(costs, boundaries, schedule, remat):
     return ranges, r
 
 
-def _row_terms(costs, ranges, r) -> tuple[np.ndarray, float, np.ndarray]:
-    """(kept residuals per stage, the padded row: per dtype the largest stage's, summed,
-    working set beside the row per stage: transient + backward work)."""
+def _row_terms(costs, ranges, r) -> tuple[np.ndarray, dict, np.ndarray]:
+    """(kept residuals per stage, the padded row: per dtype the largest stage's, working
+    set beside the row per stage: transient + backward work)."""
     by_dtype = [_kept_by_dtype(costs, a, b, r) for a, b in ranges]
     kept = np.array([sum(d.values()) for d in by_dtype])
-    row = sum(max(d.get(k, 0.0) for d in by_dtype) for k in {k for d in by_dtype for k in d})
+    row = {k: max(d.get(k, 0.0) for d in by_dtype) for k in {k for d in by_dtype for k in d}}
     work = np.array([_transient(costs, a, b, r) + _backward_work(costs, a, b) for a, b in ranges])
-    return kept, float(row), work
+    return kept, row, work
 
 
 def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
@@ -253,8 +252,9 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
     ranges, r = _checked(costs, boundaries, schedule, remat)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
     kept, row, work = _row_terms(costs, ranges, r)
-    cross = _cross_ring(costs, ranges, r, schedule)
-    return fixed + cross + rows * kept + work, float(fixed + cross + rows * row + work.max())
+    cross = _cross_ring(costs, ranges, r, schedule, row)
+    return (fixed + cross + rows * kept + work,
+            float(fixed + cross + rows * sum(row.values()) + work.max()))
 
 
 def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
@@ -266,11 +266,12 @@ def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
     ranges, r = _checked(costs, boundaries, schedule, remat)
-    _, row, work = _row_terms(costs, ranges, r)
+    _, by_dtype, work = _row_terms(costs, ranges, r)
+    row = float(sum(by_dtype.values()))
     terms = _fixed_terms(costs, ranges, schedule, param_state_factor)
     terms.update(stash=float(schedule.ring_slots()[1]["stash"] * row),
                  working=float(_working_rows(schedule) * row + work.max()),
-                 cross=_cross_ring(costs, ranges, r, schedule))
+                 cross=_cross_ring(costs, ranges, r, schedule, by_dtype))
     return terms
 
 
