@@ -8,6 +8,7 @@
     python scripts/bench.py sharding     # params / Adam bytes per device: model axis, ZeRO
     python scripts/bench.py async        # convergence study of the asynchronous schedules
     python scripts/bench.py collectives  # CPU cost of a lock-step tick's collectives
+    python scripts/bench.py breakdown    # a pipelined step's thunk time by kind vs DP
 
 `python scripts/bench.py MODE --help` lists a mode's flags. On a host without GPUs the
 8 simulated CPU devices are set up here, before jax starts.
@@ -23,7 +24,8 @@ MODES = {"pipeline": "jaxhybrid.bench.pipeline_bench",
          "burst": "jaxhybrid.bench.burst_bench",
          "sharding": "jaxhybrid.bench.sharding_bench",
          "async": "jaxhybrid.bench.async_bench",
-         "collectives": "jaxhybrid.bench.collectives_bench"}
+         "collectives": "jaxhybrid.bench.collectives_bench",
+         "breakdown": "jaxhybrid.bench.breakdown_bench"}
 
 
 def main() -> None:

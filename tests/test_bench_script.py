@@ -67,12 +67,68 @@ def test_collectives_bench_prints_every_variant():
         assert float(row.group(2)) == 0.0 and all(float(x) > 0 for x in row.groups()[::2])
 
 
+def test_breakdown_bench_sorts_the_pipelined_steps_thunks():
+    r = subprocess.run([sys.executable, BENCH, "breakdown", "--width=16", "--microbatch=4",
+                        "--blocks=3", "--speed_m=4", "--trace_steps=2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^(matmuls|elementwise, other|row reads|row writes|fills|copies|collectives)\s+"
+        r"([\d.]+)\s+([\d.]+%)?\s+([\d.]+)\s*([\d.]+%)?\s*$", r.stdout, re.M)}
+    assert len(rows) == 7, r.stdout
+    assert float(rows["matmuls"][0]) > 0 and float(rows["matmuls"][2]) > 0
+    assert float(rows["collectives"][0]) > 0 and rows["collectives"][1] is None
+    # Only the pipelined step reads stash and inbox rows (data parallelism keeps none).
+    assert float(rows["row reads"][0]) > 0 and float(rows["row reads"][2]) == 0
+    moved = re.search(r"data movement .*: ([\d.]+)% of the pipelined step's .*, ([\d.]+)% of "
+                      r"DP's", r.stdout)
+    assert moved and float(moved.group(1)) > float(moved.group(2)), r.stdout
+
+
+def test_breakdown_categories_from_compiled_hlo():
+    from jaxhybrid.bench.breakdown_bench import hlo_categories
+    hlo = """HloModule m
+
+%fused_computation.1 (p0: f32[7,8], p1: s32[]) -> f32[8] {
+  %p0 = f32[7,8]{1,0} parameter(0)
+  %ds = f32[1,8]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,8}
+  ROOT %b = f32[8]{0} bitcast(%ds)
+}
+
+%fused_computation.2 (p0: f32[4,8], p1: f32[8,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  ROOT %d = f32[4,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%wrapped_broadcast_computation (p: f32[]) -> f32[7,8] {
+  %p = f32[] parameter(0)
+  ROOT %b = f32[7,8]{1,0} broadcast(%p), dimensions={}
+}
+
+ENTRY %main (a: f32[7,8], i: s32[], w: f32[8,8]) -> f32[4,8] {
+  %a = f32[7,8]{1,0} parameter(0)
+  %ds_fusion.3 = f32[8]{0} fusion(%a, %i), kind=kLoop, calls=%fused_computation.1
+  %ynn_fusion.4 = f32[4,8]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_computation.2
+  %wrapped_broadcast.5 = f32[7,8]{1,0} fusion(%z), kind=kLoop, calls=%wrapped_broadcast_computation
+  %copy.6 = f32[7,8]{1,0} copy(%wrapped_broadcast.5)
+  %ppermute.7 = f32[8]{0} collective-permute(%ds_fusion.3), source_target_pairs={{0,1}}
+  %add.8 = f32[4,8]{1,0} add(%ynn_fusion.4, %ynn_fusion.4)
+  %w.9 = (s32[]) while(%t), condition=%c, body=%b
+  ROOT %gte = f32[4,8]{1,0} get-tuple-element(%w.9), index=0
+}
+"""
+    assert hlo_categories(hlo) == {
+        "ds_fusion.3": "row reads", "ynn_fusion.4": "matmuls", "wrapped_broadcast.5": "fills",
+        "copy.6": "copies", "ppermute.7": "collectives", "add.8": "elementwise, other"}
+
+
 @pytest.mark.parametrize("args,message", [
     (["pipeline", "--speed_widths=abc"], "flag --speed_widths=abc: 'abc' is not a whole number"),
     (["async", "--tasks=foo"], "bench async: --tasks: unknown ['foo']; choose from digits, text."),
     (["sharding", "--meshes=1x2"], "bench sharding: layout '1x2': write data x pipe x model"),
     (["projection", "--val_configs=2x4"], "write [schedule:]data x pipe x microbatches"),
     (["collectives", "--devices=1"], "bench collectives: --devices=1 must be 2..8"),
+    (["breakdown", "--speed_m=6"], "bench breakdown: --speed_m=6 must be a multiple of 4"),
 ])
 def test_bench_modes_reject_bad_flags_in_one_line(args, message):
     """Before any figure is measured: a bad list entry stops flag parsing; the modes'

@@ -1,0 +1,189 @@
+"""Where a pipelined step's time goes, beside a data-parallel step of the same work.
+
+    python scripts/bench.py breakdown [--width=256] [--microbatch=128] [--blocks=7]
+        [--speed_m=8] [--trace_schedule=1f1b] [--trace_steps=20]
+
+Builds the two steps of `scripts/bench.py pipeline`'s CPU-seconds table for one cell
+(--speed_model stack of --blocks layers and a head, --width wide; pipelined: data 1 x
+pipe 4, --speed_m microbatches of --microbatch; DP accumulating: data 4, the same
+microbatch size), times each (process CPU-ms per step, the least of three rounds), then
+records --trace_steps steps of each with `jax.profiler` and sums XLA's per-instruction
+thunk times by what the instruction does, read off the compiled HLO:
+
+  matmuls               dots and convolutions, alone or fused (the layers' math)
+  elementwise, other    the rest of the layers' math, and the adds into accumulators
+  row reads             fusions with a dynamic-slice (stash, inbox and parameter rows)
+  row writes            fusions with a dynamic-update-slice (stash and inbox writes)
+  fills                 broadcasts alone (zeroed rings, accumulators and idle outputs)
+  copies                copy instructions
+  collectives           ppermute / psum / all-reduce: wall time, waiting included
+
+Thunk times are wall seconds of each instruction summed over the devices' threads. The
+pipelined step's devices run nearly one at a time (lock step), so its thunk times are
+close to CPU time; the data-parallel devices run at once, and where four device threads
+share two cores their thunks include time spent preempted (its matmuls read longer than
+the pipelined step's, though they do the same work). So compare shares within each
+program, not milliseconds across them: the last line gives the share of data movement
+(row reads, row writes, fills, copies; data parallelism has next to none) in each
+program's thunk time outside collectives. The collectives' row is wall time, mostly
+waiting for the other devices, and has no share.
+docs/pipeline.md, "Work", has figures.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+if "jax" not in __import__("sys").modules:   # simulated devices must exist before jax starts
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+from absl import flags
+
+from jaxhybrid.bench import pipeline_bench
+from jaxhybrid.bench.timing import least
+from jaxhybrid.models.spec import init_layers
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("trace_schedule", "1f1b", "schedule of the pipelined step.")
+flags.DEFINE_integer("trace_steps", 20, "steps recorded per program (more: steadier shares).")
+
+CATEGORIES = ("matmuls", "elementwise, other", "row reads", "row writes", "fills", "copies",
+              "collectives")
+MOVEMENT = ("row reads", "row writes", "fills", "copies")   # data parallelism has ~none
+COLLECTIVE_OPS = {"collective-permute", "all-reduce", "all-gather", "reduce-scatter",
+                  "all-to-all", "collective-broadcast"}
+CONTROL_OPS = {"while", "conditional", "call", "parameter", "get-tuple-element", "tuple",
+               "constant", "bitcast"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\((.*)$")
+
+
+def hlo_categories(hlo_text: str) -> dict[str, str]:
+    """{instruction name: category} for every instruction of a compiled module's text
+    that runs as a thunk of its own (control flow and tuple plumbing left out)."""
+    ops: dict[str, set[str]] = {}   # computation -> opcodes in it
+    lines: list[tuple[str, str, str, str]] = []
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            comp = m.group(1)
+            ops.setdefault(comp, set())
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and comp is not None:
+            name, opcode, rest = m.groups()
+            ops[comp].add(opcode)
+            lines.append((comp, name, opcode, rest))
+    fused = {}   # fusion instruction -> the computation it runs (not a thunk of its own)
+    for comp, name, opcode, rest in lines:
+        called = re.search(r"calls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+        if called:
+            fused[name] = called.group(1)
+    bodies = set(fused.values())
+    return {name: _category(opcode, ops.get(fused.get(name), set()))
+            for comp, name, opcode, rest in lines
+            if opcode not in CONTROL_OPS and comp not in bodies}
+
+
+def _category(opcode: str, inner: set[str]) -> str:
+    every = inner | {opcode}
+    if every & COLLECTIVE_OPS:
+        return "collectives"
+    if every & {"dot", "convolution", "custom-call"} or opcode == "custom-call":
+        return "matmuls"
+    if "dynamic-update-slice" in every:
+        return "row writes"
+    if "dynamic-slice" in every:
+        return "row reads"
+    if opcode == "copy":
+        return "copies"
+    if inner and inner <= {"broadcast", "parameter", "constant", "bitcast"}:
+        return "fills"
+    if opcode == "broadcast":
+        return "fills"
+    return "elementwise, other"
+
+
+def thunk_seconds(fn, args, steps: int, categories: dict[str, str]) -> dict[str, float]:
+    """Seconds per step of XLA thunks by category over `steps` traced calls of fn(*args)
+    (after one untraced warm-up call)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(fn(*args))
+        found = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not found:
+            raise ValueError(f"jax.profiler wrote no perfetto trace under {d}; this "
+                             f"bench needs a jax whose profiler can (pip install -e .).")
+        with gzip.open(found[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    total = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in categories:
+            total[categories[e["name"]]] += e.get("dur", 0) * 1e-6 / steps
+    return {c: total.get(c, 0.0) for c in CATEGORIES}
+
+
+def breakdown(width: int, mb: int, M: int, schedule: str, blocks: int, model: str,
+              steps: int) -> dict:
+    """{"piped"|"dp_acc": {"cpu": CPU-seconds per step, "thunks": {category: seconds}}}."""
+    layers, loss_fn, make_batch = pipeline_bench.bench_model(model, width=width, blocks=blocks)
+    per_layer = init_layers(layers, jax.random.key(0), make_batch(1)[0])
+    batch = make_batch(M * mb)
+    steps_of = dict(piped=dict(data=1, pipe=4, M=M, schedule=schedule),
+                    dp_acc=dict(data=4, pipe=1, M=max(1, M // 4)))
+    fns = {k: pipeline_bench.pipeline_step(layers, loss_fn, per_layer, batch, **kw)[:2]
+           for k, kw in steps_of.items()}
+    cpu = least(fns, 3)
+    out = {}
+    for k, (fn, args) in fns.items():
+        categories = hlo_categories(fn.lower(*args).compile().as_text())
+        out[k] = dict(cpu=cpu[k], thunks=thunk_seconds(fn, args, steps, categories))
+    return out
+
+
+def print_breakdown(r: dict, title: str) -> None:
+    p, d = r["piped"], r["dp_acc"]
+    work = [c for c in CATEGORIES if c != "collectives"]
+    print(title)
+    print(f"process CPU-ms per step: pipelined {p['cpu'] * 1e3:.1f}, DP accumulating "
+          f"{d['cpu'] * 1e3:.1f} ({p['cpu'] / d['cpu']:.2f}x)")
+    print(f"{'thunk ms per step, all devices':32} {'pipelined':>10} {'share':>6} "
+          f"{'DP acc':>10} {'share':>6}")
+    totals = {k: sum(r[k]["thunks"][c] for c in work) for k in r}
+    for c in CATEGORIES:
+        share = {k: (f"{r[k]['thunks'][c] / totals[k]:6.1%}" if c in work and totals[k] else "")
+                 for k in r}
+        print(f"{c:32} {p['thunks'][c] * 1e3:10.2f} {share['piped']:>6} "
+              f"{d['thunks'][c] * 1e3:10.2f} {share['dp_acc']:>6}")
+    moved = {k: sum(r[k]["thunks"][c] for c in MOVEMENT) / max(totals[k], 1e-12) for k in r}
+    print(f"data movement ({', '.join(MOVEMENT)}): {moved['piped']:.1%} of the pipelined "
+          f"step's thunk time outside collectives, {moved['dp_acc']:.1%} of DP's")
+
+
+def main(argv) -> None:
+    del argv
+    if jax.device_count() < 4:
+        raise ValueError(f"needs 4 devices, found {jax.device_count()}; on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=8.")
+    if FLAGS.speed_m % 4:
+        raise ValueError(f"--speed_m={FLAGS.speed_m} must be a multiple of 4 (DP "
+                         f"accumulating runs speed_m / 4 microbatches on each of 4 devices).")
+    t = time.perf_counter()
+    r = breakdown(FLAGS.width, FLAGS.microbatch, FLAGS.speed_m, FLAGS.trace_schedule,
+                  FLAGS.blocks, FLAGS.speed_model, FLAGS.trace_steps)
+    print_breakdown(r, f"{FLAGS.trace_schedule} M={FLAGS.speed_m} {FLAGS.speed_model} "
+                       f"x{FLAGS.blocks} + head, width {FLAGS.width}, microbatch "
+                       f"{FLAGS.microbatch}; {FLAGS.trace_steps} traced steps each "
+                       f"({os.cpu_count()} cores, {jax.devices()[0].platform})")
+    print(f"bench took {time.perf_counter() - t:.0f} s")
