@@ -86,7 +86,7 @@ def test_breakdown_bench_sorts_the_pipelined_steps_thunks():
 
 
 def test_breakdown_categories_from_compiled_hlo():
-    from jaxhybrid.bench.breakdown_bench import hlo_categories
+    from jaxhybrid.bench.thunk_profile import hlo_categories
     hlo = """HloModule m
 
 %fused_computation.1 (p0: f32[7,8], p1: s32[]) -> f32[8] {
@@ -142,8 +142,9 @@ def test_bench_modes_reject_bad_flags_in_one_line(args, message):
 def test_bench_modules_the_tests_import_share_one_process():
     # pytest-xdist may collect test_memory_model.py and test_projection_validation.py in
     # one worker: their bench modules' absl flags must not collide (a 'schedule' flag in
-    # both made both files' collection fail with DuplicateFlagError).
-    code = ("from jaxhybrid.bench import memory_bench, projection_bench, mlp\n"
+    # both made both files' collection fail with DuplicateFlagError; 'size' from
+    # pipeline_bench, when this file imported the breakdown bench, failed a test here).
+    code = ("from jaxhybrid.bench import memory_bench, projection_bench, mlp, thunk_profile\n"
             "from jaxhybrid.bench import projection_bench as b; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
