@@ -60,7 +60,7 @@ def _category(opcode: str, inner: set[str]) -> str:
     every = inner | {opcode}
     if every & COLLECTIVE_OPS:
         return "collectives"
-    if every & {"dot", "convolution", "custom-call"} or opcode == "custom-call":
+    if every & {"dot", "convolution", "custom-call"}:
         return "matmuls"
     if "dynamic-update-slice" in every:
         return "row writes"
@@ -68,9 +68,8 @@ def _category(opcode: str, inner: set[str]) -> str:
         return "row reads"
     if opcode == "copy":
         return "copies"
-    if inner and inner <= {"broadcast", "parameter", "constant", "bitcast"}:
-        return "fills"
-    if opcode == "broadcast":
+    if opcode == "broadcast" or inner and inner <= {"broadcast", "parameter", "constant",
+                                                    "bitcast"}:
         return "fills"
     return "elementwise, other"
 

@@ -158,10 +158,9 @@ def _kept_by_dtype(costs, a, b, r) -> dict:
     unknown dtype, recomputed layers' inputs and the loss's count as float32."""
     out: dict = {}
     for i, c in enumerate(costs[a:b], a):
-        total = sum(c.saved_by_dtype.values())
         parts = ({"float32": c.saved_bytes_remat} if r[i] else
-                 {d: c.saved_bytes * v / total for d, v in c.saved_by_dtype.items()} if total
-                 else {"float32": c.saved_bytes})
+                 {d: v * _residual_share(c) for d, v in c.saved_by_dtype.items()}
+                 if sum(c.saved_by_dtype.values()) else {"float32": c.saved_bytes})
         for d, v in parts.items():
             out[d] = out.get(d, 0.0) + float(v)
     out["float32"] = out.get("float32", 0.0) + _loss_bytes(costs, b)
