@@ -6,9 +6,10 @@ validation model, end to end as `scripts/bench.py projection` runs them. How clo
 prediction and measurement come is a benchmark figure (docs/projection.md), not an
 assertion here: wall times on a shared 2-core host move 2-3x with other processes' load
 (a 3x bound failed under CI-time load while the model was unchanged). What is asserted
-holds at any load: the rows' structure, and that configs the model puts >= 3x apart are
-measured in the same order (they are timed round robin, so load hits them alike). The
-model itself is checked without timing (test_model_orderings_without_timing).
+holds at any load: the rows' structure, that configs the model puts >= 3x apart are
+measured in the same order (they are timed round robin, so load hits them alike), and that
+the configs it predicts slowest and fastest are. The model itself is checked without
+timing (test_model_orderings_without_timing).
 """
 import numpy as np
 import pytest
@@ -54,8 +55,14 @@ def test_held_out_rows_are_predicted_and_measured_in_the_same_order(setup):
         for b in rows:
             if a["predicted"] >= 3 * b["predicted"]:
                 assert a["measured"] > b["measured"], (a["config"], b["config"])
-    pred = {r["config"]: r["predicted"] for r in rows}
-    assert pred["1x8x8"] > 3 * pred["1x2x2"]   # so the order check above has a pair
+    # So the order check is never empty: the rows predicted slowest and fastest are measured
+    # in that order. How far apart the model puts them moves with the calibration's fit
+    # (2.7x .. 4.5x for 1x8x8 / 1x2x2 on this host; a 3x guard failed in CI), so the guard is
+    # a clear separation, not the 3x above.
+    slow = max(rows, key=lambda r: r["predicted"])
+    fast = min(rows, key=lambda r: r["predicted"])
+    assert slow["predicted"] > 1.5 * fast["predicted"], (slow["config"], fast["config"])
+    assert slow["measured"] > fast["measured"], (slow["config"], fast["config"])
     s = pb.summary(rows)
     assert s["max_pass_spread"] == max(r["pass_spread"] for r in rows)
 
