@@ -158,9 +158,13 @@ def _kept_by_dtype(costs, a, b, r) -> dict:
     unknown dtype, recomputed layers' inputs and the loss's count as float32."""
     out: dict = {}
     for i, c in enumerate(costs[a:b], a):
-        parts = ({"float32": c.saved_bytes_remat} if r[i] else
-                 {d: v * _residual_share(c) for d, v in c.saved_by_dtype.items()}
-                 if sum(c.saved_by_dtype.values()) else {"float32": c.saved_bytes})
+        if r[i]:
+            parts = {"float32": c.saved_bytes_remat}
+        elif sum(c.saved_by_dtype.values()):
+            share = _residual_share(c)   # once per layer, not once per dtype
+            parts = {d: v * share for d, v in c.saved_by_dtype.items()}
+        else:   # no by-dtype split recorded
+            parts = {"float32": c.saved_bytes}
         for d, v in parts.items():
             out[d] = out.get(d, 0.0) + float(v)
     out["float32"] = out.get("float32", 0.0) + _loss_bytes(costs, b)
