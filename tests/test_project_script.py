@@ -12,7 +12,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "project.py")
 
 def _run(*args):
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+                          cwd=ROOT, timeout=300)
 
 
 def test_json_png_and_errors(tmp_path):

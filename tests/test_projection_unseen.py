@@ -164,7 +164,7 @@ def _run(*args):
     # PYTHONPATH: this checkout's package, also where another one is installed (worktrees).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "project.py"), "--out=",
-                           *args], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+                           *args], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_script_flags_zero_values_and_schedules():
