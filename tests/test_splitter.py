@@ -2,6 +2,7 @@
 loss, gradients (tied parameters summed) and new batch statistics, on several meshes and
 schedules; variables round-trip in the model's own tree; errors say what to fix."""
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -345,7 +346,8 @@ def _nnx_reference(model, x, t, data, M, loss_fn=mse, rng=None, **call_kwargs):
     nnx.state(model) is fold_in(layer_rng(rng, g, 0), j) (split to its shape when
     stacked), its RngCount 0."""
     graphdef, state = nnx.split(model)
-    params, rest = state.filter(nnx.Param), state.filter(lambda p, v: not isinstance(v, nnx.Param))
+    not_param = lambda p, v: not isinstance(v, nnx.Param)
+    params, rest = nnx.filter_state(state, nnx.Param), nnx.filter_state(state, not_param)
     n = data * M
     split = lambda a: a.reshape(data, M, a.shape[0] // n, *a.shape[1:])
     is_var = lambda v: isinstance(v, nnx.Variable)
@@ -367,9 +369,9 @@ def _nnx_reference(model, x, t, data, M, loss_fn=mse, rng=None, **call_kwargs):
                                     if isinstance(v, nnx.RngKey) else jnp.zeros_like(v.get_value()))
             y = m(mxt[1], **call_kwargs)
             nnx.pop(m, nnx.Intermediate)   # what the model sowed
-            return nnx.state(m).filter(lambda p, v: not isinstance(v, nnx.Param)), loss_fn(y, mxt[2])
+            return nnx.filter_state(nnx.state(m), not_param), loss_fn(y, mxt[2])
         final, losses = jax.lax.scan(mb, rest, (jnp.arange(M), xs, ts))
-        return jnp.mean(losses), final.filter(nnx.BatchStat)
+        return jnp.mean(losses), nnx.filter_state(final, nnx.BatchStat)
 
     def total(params):
         losses, finals = jax.vmap(shard, in_axes=(None, None, 0, 0, 0))(
@@ -396,10 +398,40 @@ def test_nnx_model_matches(data, pipe_size, schedule, M):
     loss, grads, new = pipe.value_and_grad(mse)(variables, x, t)
     ref_loss, ref_grads, ref_new = _nnx_reference(model, x, t, data, M)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    _close(jax.tree.leaves(pipe.unpack({**variables, "params": grads}).filter(nnx.Param)),
+    got_grads = pipe.unpack({**variables, "params": grads})
+    _close(jax.tree.leaves(nnx.filter_state(got_grads, nnx.Param)),
            jax.tree.leaves(ref_grads), "grads")
-    _close(jax.tree.leaves(pipe.unpack(new).filter(nnx.BatchStat)),
-           jax.tree.leaves(ref_new.filter(nnx.BatchStat)), "batch_stats")
+    _close(jax.tree.leaves(nnx.filter_state(pipe.unpack(new), nnx.BatchStat)),
+           jax.tree.leaves(nnx.filter_state(ref_new, nnx.BatchStat)), "batch_stats")
+
+
+class Seen(nnx.Variable):
+    """A Variable of the user's own type: its collection is "seen"."""
+
+
+def test_nnx_unpack_of_some_collections_is_one_state_of_exactly_those():
+    """Packed "params" with some, not all, of an NNX model's other collections unpack to
+    one State holding exactly those Variables. It was a tuple of States (one per
+    collection) and dropped Variables of the user's own types (the collection's name used
+    as an nnx filter is a tag)."""
+    model = NnxNet(nnx.Rngs(0))
+    model.seen = Seen(jnp.arange(3.0))
+    x, _ = _vectors(4)
+    split = SplitModel(model, x[:2], min_pieces=2)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=jp.even_boundaries(split.num_pieces, 2))
+    state = nnx.state(model)
+    variables = pipe.pack(state)
+    assert sorted(variables) == ["batch_stats", "params", "seen"]
+    for kept, types in [(("params", "batch_stats"), (nnx.Param, nnx.BatchStat)),
+                        (("params", "seen"), (nnx.Param, Seen)), (("params",), (nnx.Param,))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)   # no State.filter
+            got = pipe.unpack({k: variables[k] for k in kept})
+        assert isinstance(got, nnx.State), (kept, type(got))
+        want = nnx.filter_state(state, nnx.Any(*types))
+        assert jax.tree.structure(got) == jax.tree.structure(want), kept
+        _close(jax.tree.leaves(got), jax.tree.leaves(want), f"unpack {kept}")
 
 
 # --- errors -------------------------------------------------------------------------

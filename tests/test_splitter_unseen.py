@@ -348,11 +348,12 @@ def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, option
     ref_loss, ref_grads, ref_stats = _reference(name, model, native, loss_fn, x, t, data, M, rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     got = pipe.unpack({**variables, "params": grads})
-    got = got.filter(nnx.Param) if isinstance(got, nnx.State) else got["params"]
+    got = nnx.filter_state(got, nnx.Param) if isinstance(got, nnx.State) else got["params"]
     _close(jax.tree.leaves(got), ref_grads, "grads")
     if ref_stats is not None:
         got = pipe.unpack(new)
-        got = got.filter(nnx.BatchStat) if isinstance(got, nnx.State) else got["batch_stats"]
+        got = (nnx.filter_state(got, nnx.BatchStat) if isinstance(got, nnx.State)
+               else got["batch_stats"])
         _close(jax.tree.leaves(got), ref_stats, "batch_stats")
 
     if name not in ("unet", "nnx_scan"):   # the others' evaluation graph differs

@@ -317,11 +317,11 @@ def test_unseen_model_matches_unsplit(name, data, pipe_size, schedule, M, option
     ref_loss, ref_grads, ref_stats = _reference(model, native, loss_fn, x, t, data, M, rng)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     got = pipe.unpack({**variables, "params": grads})
-    got = got.filter(nnx.Param) if isinstance(got, nnx.State) else got["params"]
+    got = nnx.filter_state(got, nnx.Param) if isinstance(got, nnx.State) else got["params"]
     _close_dtype(jax.tree.leaves(got), ref_grads, "grads")
     if ref_stats is not None:
         got = pipe.unpack(new)
-        got = got.filter(nnx.BatchStat) if isinstance(got, nnx.State) else \
+        got = nnx.filter_state(got, nnx.BatchStat) if isinstance(got, nnx.State) else \
             {k: v for k, v in got.items() if k != "params"}
         _close([np.asarray(a, np.float32) for a in jax.tree.leaves(got)], ref_stats, "state")
     got, want = pipe.apply(variables, x), _eval(model, native, x)

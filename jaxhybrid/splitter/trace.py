@@ -83,10 +83,12 @@ class Adapter:
         if keep is None or set(self.colls) <= keep:
             return jax.tree.unflatten(self.treedef, leaves)
         if self.kind == "nnx":
-            full = jax.tree.unflatten(self.treedef, leaves)
             from flax import nnx
-            nnx_types = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
-            return full.filter(*[nnx_types.get(c, c) for c in sorted(keep)])
+            # One State of the kept Variables, classified as `colls` is: several type
+            # filters would give a tuple of States, and a collection's name as a filter
+            # is an nnx tag, which no Variable of a custom type carries.
+            return nnx.filter_state(jax.tree.unflatten(self.treedef, leaves),
+                                    lambda _, v: _nnx_collection(v) in keep)
         out: dict = {}
         for path, leaf, c in zip(self.paths, leaves, self.colls):
             if c not in keep:
