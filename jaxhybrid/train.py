@@ -290,15 +290,24 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     t, pipe = config.train, run.pipe
     init_rng, train_rng = jax.random.split(jax.random.key(t.seed))
     layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
-    with phases("plan", split_compile=False):
-        pipe.make_plan(run.sample_inputs)
     train_step = masks = None
-    # The plan is final (on several processes every one planned from process 0's costs),
-    # so the step compiles now, after the checkpoint to resume from is found to fit.
-    if layer_init is not None:
-        train_step, masks = _compile_while_initialising(run, t, layer_init, phases,
-                                                        jax.random.fold_in(train_rng, 1), ckpt,
-                                                        config.pipeline)
+    try:
+        with phases("plan", split_compile=False):
+            pipe.make_plan(run.sample_inputs)
+        # The plan is final (on several processes every one planned from process 0's
+        # costs), so the step compiles now, after the checkpoint to resume from is found
+        # to fit.
+        if layer_init is not None:
+            train_step, masks = _compile_while_initialising(
+                run, t, layer_init, phases, jax.random.fold_in(train_rng, 1), ckpt,
+                config.pipeline)
+    except BaseException:
+        # A refused plan, checkpoint or step: let the initialiser's thread leave XLA
+        # first. An interpreter that exits while it is inside XLA aborts ("terminate
+        # called ..."), after the error's own line.
+        if layer_init is not None:
+            layer_init.wait()
+        raise
     phases.start("init")                 # parameters, optimizer state, restore
     variables = (pipe.init(init_rng, run.sample_inputs) if layer_init is None
                  else pipe.pack(layer_init.result()))
@@ -478,6 +487,10 @@ class _LayerInit:
 
     def result(self) -> list[dict]:
         return self._values.result()
+
+    def wait(self) -> None:
+        """Until the thread is done, whether it succeeded or failed."""
+        concurrent.futures.wait([self._values])
 
 
 def _init_layers_in_background(pipe, rng, sample_inputs) -> _LayerInit | None:

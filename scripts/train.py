@@ -142,6 +142,7 @@ def main(argv):
     if not main_process:                  # logs, progress and metrics: process 0 only
         logging.set_verbosity(logging.WARNING)
     from jaxhybrid import checkpoint, startup, train
+    from jaxhybrid.plan import MemoryBudgetError
     try:
         startup.enable_caches(startup.default_cache_dir() if _CACHE_DIR.value is None
                               else _CACHE_DIR.value)
@@ -155,7 +156,7 @@ def main(argv):
     try:
         result = train.train_and_evaluate(_CONFIG.value, workdir, launched=_LAUNCHED)
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch,
-            checkpoint.CheckpointWriteError) as e:
+            checkpoint.CheckpointWriteError, MemoryBudgetError) as e:
         sys.exit(f"error: {e}")
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:

@@ -49,22 +49,45 @@ def fails_in_one_line(config, workdir, message, **kw):
     assert not workdir.exists()
 
 
+def run_script(workdir, *flags):
+    """scripts/train.py on GPT (its own config unless `flags` change it) in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=gpt_hybrid.py", *flags,
+           f"--workdir={workdir}", "--cache_dir="]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--config.train.batch_size=abc", r"^error: flag --config.train.batch_size=abc: invalid literal"),
     ("--config.train.stepz=3", r"^error: flag --config.train.stepz: .*valid keys .*train.steps"),
 ])
 def test_script_flag_typos_end_in_one_error_line(tmp_path, flag, message):
     # They ended in absl's traceback: the script's own flags parser did not catch them.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=gpt_hybrid.py", flag,
-           f"--workdir={tmp_path / 'w'}", "--cache_dir="]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = run_script(tmp_path / "w", flag)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
     assert any(__import__("re").match(message, line) for line in out.stderr.splitlines()), \
         out.stderr[-2000:]
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("case", ["checkpoint of another model", "memory budget"])
+def test_refusals_during_start_up_exit_with_their_error_line(tmp_path, case):
+    """Refused while the layers' initialiser still ran on its thread: a checkpoint of
+    another model size (after its error line the interpreter aborted, "terminate called
+    ...", exit status 134) and a memory budget no plan fits (a traceback)."""
+    if case == "checkpoint of another model":
+        train.train_and_evaluate(gpt_config(**{"checkpoint.every": 1}), tmp_path)
+        flags = ["--config.model.size=small"]
+        message = r"error: checkpoint: step 1 in .* does not fit .*use a fresh workdir"
+    else:
+        flags = ["--config.model.size=tiny", "--config.pipeline.memory_budget=1KB"]
+        message = r"error: the SPMD program needs .* over the 1KB memory budget; .*bigger budget"
+    out = run_script(tmp_path, *flags)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Fatal" not in out.stderr, out.stderr[-2000:]
+    assert __import__("re").search(message, out.stderr), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("field,value,message", [
