@@ -82,12 +82,36 @@ def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
     return y, state
 
 
+def check_loss_fn(loss_fn, who: str) -> None:
+    """A loss the step can call as loss_fn(outputs, targets), refused before any tracing:
+    a name (e.g. "mse") or a one-argument function failed deep inside the step's trace."""
+    if not callable(loss_fn):
+        raise TypeError(f"{who}: loss_fn must be a function loss_fn(outputs, targets) -> "
+                        f"scalar, got {type(loss_fn).__name__} {loss_fn!r}.")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):          # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        raise TypeError(f"{who}: loss_fn{signature} cannot be called as loss_fn(outputs, "
+                        f"targets) ({e}); wrap it, e.g. lambda outputs, targets: ...") from None
+
+
 def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) -> jax.Array:
     """loss_fn(outputs, targets) as a float32 scalar. A loss that is not one (an unreduced
     per-example loss, a (loss, aux) tuple) is refused while the step is traced, naming
     `what` it must be: else it surfaced as a cond / switch type error or a shape error
     deep inside the step."""
-    loss = jnp.asarray(loss_fn(outputs, targets), jnp.float32)
+    raw = loss_fn(outputs, targets)
+    dtype = getattr(raw, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        # jax.grad refuses an integer output; cast to float32 here it had zero gradients.
+        raise ValueError(f"{who}: loss_fn returned dtype {dtype}; it must return a float "
+                         f"scalar ({what}): an integer loss has no gradient, so drop the "
+                         f"cast to an integer or bool.")
+    loss = jnp.asarray(raw, jnp.float32)
     if loss.shape != ():
         raise ValueError(f"{who}: loss_fn returned shape {loss.shape}; it must return a scalar "
                          f"({what}): reduce it, e.g. jnp.mean(...), and compute auxiliary "

@@ -344,6 +344,17 @@ def test_bad_step_inputs_are_named():
     for loss_fn in [lambda o, t: (o - t) ** 2, lambda o, t: (mse(o, t), jnp.float32(0))]:
         with pytest.raises(ValueError, match="must return a scalar"):
             pipe.value_and_grad(loss_fn)(variables, X, Y)      # was "switch branches must ..."
+    with pytest.raises(ValueError, match="returned dtype int32; it must return a float"):
+        # was a loss of 1.0 and zero gradients, silently (jax.grad refuses it)
+        pipe.value_and_grad(lambda o, t: jnp.sum((o - t) ** 2).astype(jnp.int32))(
+            variables, X, Y)
+    # Refused before any tracing (they failed inside the step's trace).
+    for make in (pipe.value_and_grad, lambda f: pipe.train_step(f, optax.sgd(0.1))):
+        with pytest.raises(TypeError, match=r"loss_fn must be a function .*got str 'mse'"):
+            make("mse")
+        with pytest.raises(TypeError, match=r"loss_fn\(o\) cannot be called as loss_fn\("
+                                            r"outputs, targets\)"):
+            make(lambda o: jnp.mean(o))
     one = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=2, pipe=1), num_microbatches=2, remat="none",
                       boundaries=[])
     one_vars = one.init(jax.random.key(0), X)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.checks import is_int
-from jaxhybrid.layers import raw_key
+from jaxhybrid.layers import check_loss_fn, raw_key
 from jaxhybrid import distributed, tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
@@ -359,6 +359,7 @@ class Pipeline(PipelineVariables):
         new_variables carry the updated mutable collections (e.g. batch_stats, updated
         per microbatch in order, then averaged over data replicas)."""
         self._require_vars()
+        check_loss_fn(loss_fn, "Pipeline.value_and_grad")
 
         def _step(variables, inputs, targets, rng=None):
             loss, grads, new_state, _, _ = self._run_step(loss_fn, train, None, variables, None,
@@ -400,6 +401,7 @@ class Pipeline(PipelineVariables):
         it sees one device's buffers at a time, so a global-norm clip would see a part
         (refused: `async_weights.check_per_element`)."""
         self._require_vars()
+        check_loss_fn(loss_fn, "Pipeline.train_step")
         async_weights.check_per_element(optimizer, self.param_len)
         async_weights.check_remat(self.schedule, self.programs)
         expected_state = async_weights.init_on_packed(functools.partial(

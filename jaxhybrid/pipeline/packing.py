@@ -37,7 +37,9 @@ WHOLE_MIN = 4096
 
 
 def _dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
+    # The dtype jax stores it in: a numpy int64 or float64 leaf (e.g. a Python number
+    # a Variable holds) packs into an int32 or float32 buffer unless x64 is on.
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
 
 
 def _signature(leaf) -> tuple[str, int]:

@@ -6,6 +6,9 @@ has global index g = d*M + m and layer i draws dropout from layer_rng(rng, g, i)
 is the mean of loss_fn over all microbatches; each shard updates mutable state (batch
 statistics) microbatch by microbatch, in order, from the same starting state, and the
 new state is the mean over shards (integer state: the floor of the mean, still integer).
+The state a microbatch starts from is a value, not differentiated through, as when
+gradients are accumulated step by step: where a model reads state it wrote (an EMA of
+its features), no gradient flows from one microbatch's loss into an earlier one's.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def _reference_total(layers, per_layer, loss_fn, inputs, targets, data, num_micr
         def microbatch(st, m_x_y):
             m, x, y = m_x_y
             g = d * num_microbatches + m
-            st = list(st)
+            st = list(jax.lax.stop_gradient(st))   # the module docstring: a value
             for i, layer in enumerate(layers):
                 key = layer_rng(rng, g, i) if rng is not None else None   # eval too (a VAE)
                 x, st[i] = apply_layer(layer, {"params": params[i], **st[i]}, x, train=train, rng=key)

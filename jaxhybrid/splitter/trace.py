@@ -180,7 +180,8 @@ class Adapter:
 
 
 def _unbox(tree, kind):
-    return nn.meta.unbox(tree) if kind == "linen" else tree
+    # FrozenDicts (older flax's init, flax.core.freeze) as the plain dicts init returns.
+    return nn.meta.unbox(flax.core.unfreeze(tree)) if kind == "linen" else tree
 
 
 def _nnx_collection(var) -> str:
@@ -250,7 +251,9 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
         if len(values) != len(flat):
             raise ValueError("Splitter: an NNX variable holds a pytree, not one array; "
                              "only array variables are supported.")
-        a.avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in values]
+        # A Variable may hold a Python number (e.g. a step counter): jax's dtype for it.
+        a.avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype if hasattr(v, "dtype")
+                                        else jnp.asarray(v).dtype) for v in values]
         a.rng_leaves = [(i, "key" if isinstance(v, nnx.RngKey) else "count")
                         for i, (_, v) in enumerate(flat) if isinstance(v, (nnx.RngKey, nnx.RngCount))]
         rng_idx = {i for i, _ in a.rng_leaves}
