@@ -48,3 +48,7 @@ def test_bad_options():
         models.get_model("wrn", "tiny", blocks=(1, 1, 1))
     with pytest.raises(ValueError, match="unknown option"):
         models.get_model("wrn", "tiny", depth=10)
+    for rate in (1.5, -0.1, "0.1"):      # 1.5 trained silently
+        with pytest.raises(ValueError, match=r"gpt: dropout_rate=.* must be a number in \[0, 1\)"):
+            models.get_model("gpt", "tiny", dropout_rate=rate)
+    assert models.get_model("gpt", "tiny", dropout_rate=0.0) is not None

@@ -258,4 +258,10 @@ def check_overrides(model: str, defaults: dict, overrides: dict) -> dict:
     if unknown:
         raise ValueError(f"{model}: unknown option(s) {unknown}; valid options: "
                          f"{sorted(defaults)}.")
+    for key, value in overrides.items():
+        # flax's Dropout takes any rate: GPT trained silently at 1.5 (grad norm 0.03, not 2.6).
+        if key.endswith("dropout_rate") and not (isinstance(value, (int, float))
+                                                 and 0 <= value < 1):
+            raise ValueError(f"{model}: {key}={value!r} must be a number in [0, 1) (the "
+                             f"fraction of units dropped; 0 turns dropout off).")
     return {**defaults, **overrides}
