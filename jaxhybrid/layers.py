@@ -3,7 +3,9 @@
 A layer is any `flax.linen.Module`. Its `__call__(self, x)` takes the previous layer's
 output (any pytree) and returns the next activation (any pytree). If `__call__` accepts a
 keyword `train`, it gets `train=True` while training and `train=False` otherwise
-(BatchNorm: `use_running_average=not train`; Dropout: `deterministic=not train`).
+(BatchNorm: `use_running_average=not train`; Dropout: `deterministic=not train`);
+`training` and `is_training` are taken alike, and `deterministic` gets `not train`
+(`MODE_FLAGS`, the first one `__call__` accepts).
 
 Collections other than "params" (e.g. "batch_stats") are *state*: mutable while training,
 frozen in evaluation. Dropout draws from the "dropout" rng, which is derived per
@@ -24,17 +26,32 @@ import numpy as np
 PyTree = Any
 
 
+# The mode flags a layer's (or a split model's) `__call__` may take, looked for in this
+# order: name -> its value while training. Haiku- and Keras-style code names it
+# `training` / `is_training`; a model taking those trained with dropout off and its
+# batch statistics frozen when only `train` was looked for.
+MODE_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+
+
 @functools.lru_cache(maxsize=None)
-def _takes_train(cls: type) -> bool:
+def _mode_flag(cls: type) -> str | None:
     try:
-        return "train" in inspect.signature(cls.__call__).parameters
+        params = inspect.signature(cls.__call__).parameters
     except (TypeError, ValueError):
-        return False
+        return None
+    return next((name for name in MODE_FLAGS if name in params), None)
 
 
-def takes_train(layer: nn.Module) -> bool:
-    """Whether `layer.__call__` accepts the `train` keyword."""
-    return _takes_train(type(layer))
+def mode_flag(model) -> str | None:
+    """The MODE_FLAGS keyword `model.__call__` accepts (the first), or None."""
+    return _mode_flag(type(model))
+
+
+def mode_kwargs(model, train: bool) -> dict:
+    """The keyword that puts `model` (a layer, or a whole linen / NNX model) in training
+    (`train`) or evaluation mode; {} when its `__call__` takes no mode flag."""
+    flag = mode_flag(model)
+    return {} if flag is None else {flag: train if MODE_FLAGS[flag] else not train}
 
 
 def raw_key(key: jax.Array) -> jax.Array:
@@ -62,7 +79,7 @@ def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = Tru
     """Initialises one layer; returns (unboxed variables, output on `x`); `boxed`: the
     variables as `init` returns them (logical-axis boxes kept)."""
     params_key, dropout_key = jax.random.split(key)
-    kwargs = {"train": train} if takes_train(layer) else {}
+    kwargs = mode_kwargs(layer, train)
     out, variables = layer.init_with_output(
         {"params": params_key, "dropout": dropout_key}, x, **kwargs)
     return (dict(variables) if boxed else nn.meta.unbox(dict(variables))), out
@@ -72,7 +89,7 @@ def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
                 rng: jax.Array | None = None):
     """Runs one layer. Returns (output, new state) where new state holds the
     non-"params" collections (updated when training, unchanged otherwise)."""
-    kwargs = {"train": train} if takes_train(layer) else {}
+    kwargs = mode_kwargs(layer, train)
     state = {k: v for k, v in variables.items() if k != "params"}
     rngs = {"dropout": rng} if rng is not None else {}   # also in evaluation: a VAE samples
     if train and state:

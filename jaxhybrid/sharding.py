@@ -132,8 +132,8 @@ def _avals(tree: Any) -> list:
 
 def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
     from jaxhybrid import tensor_parallel
-    from jaxhybrid.layers import takes_train
-    kwargs = {"train": train} if takes_train(layer) else {}
+    from jaxhybrid.layers import mode_kwargs
+    kwargs = mode_kwargs(layer, train)
     return tensor_parallel.eval_shape(
         lambda k, x: layer.init({"params": k, "dropout": k}, x, **kwargs), jax.random.key(0), x)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid import models
-from jaxhybrid.layers import takes_train
+from jaxhybrid.layers import mode_kwargs
 from jaxhybrid.sharding import LOGICAL_AXES
 
 # Tiny presets of the token models have no dropout; turn it on to test it.
@@ -93,7 +93,7 @@ def test_parameters_carry_logical_axis_names(name):
     def boxed_init(key, x):                   # like init_layers, but keeps the boxes
         out = []
         for i, layer in enumerate(spec.layers):
-            kw = {"train": False} if takes_train(layer) else {}
+            kw = mode_kwargs(layer, False)
             x, v = layer.init_with_output({"params": jax.random.fold_in(key, i)}, x, **kw)
             out.append(v)
         return out

@@ -509,6 +509,65 @@ def test_state_a_microbatch_starts_from_is_not_differentiated():
     _close(jax.tree.leaves(got), jax.tree.leaves(acc), "pipeline vs accumulation")
 
 
+class _Flagged(nn.Module):
+    """Dense, BatchNorm, Dropout, Dense; the subclasses name the mode flag."""
+
+    def setup(self):
+        self.a, self.b = nn.Dense(8), nn.Dense(3)
+        self.bn, self.drop = nn.BatchNorm(momentum=0.8), nn.Dropout(0.5)
+
+    def run(self, x, train):
+        h = self.drop(jnp.tanh(self.bn(self.a(x), use_running_average=not train)),
+                      deterministic=not train)
+        return self.b(h)
+
+
+class TrainNet(_Flagged):
+    def __call__(self, x, train: bool = False):
+        return self.run(x, train)
+
+
+class TrainingNet(_Flagged):
+    def __call__(self, x, training: bool = False):
+        return self.run(x, training)
+
+
+class IsTrainingNet(_Flagged):
+    def __call__(self, x, is_training: bool = False):
+        return self.run(x, is_training)
+
+
+class DeterministicNet(_Flagged):
+    def __call__(self, x, deterministic: bool = True):
+        return self.run(x, not deterministic)
+
+
+@pytest.mark.parametrize("net", [TrainNet, TrainingNet, IsTrainingNet, DeterministicNet])
+def test_mode_flag_by_any_of_its_usual_names(net):
+    """A model taking `training` or `is_training` trained with dropout off and its batch
+    statistics frozen: only `train` and `deterministic` were looked for."""
+    x, t = _vectors(8, seed=6)
+    model = net()
+    split = SplitModel(model, x[:4], min_pieces=2)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=jp.even_boundaries(split.num_pieces, 2), remat="none")
+    variables = pipe.init(jax.random.key(0), x)
+    native = pipe.unpack(variables)
+    grad_fn = pipe.value_and_grad(mse)
+    losses = [float(grad_fn(variables, x, t, jax.random.key(k))[0]) for k in (1, 2)]
+    assert losses[0] != losses[1]                              # dropout is on in training
+    loss, _, new = grad_fn(variables, x, t, jax.random.key(1))
+    ref_loss, _, ref_new = jp.reference_value_and_grad([model], [native], mse, x, t,
+                                                       num_microbatches=2, rng=jax.random.key(1))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    moved = pipe.unpack(new)["batch_stats"]
+    _close(jax.tree.leaves(moved), jax.tree.leaves(ref_new[0]["batch_stats"]), "batch_stats")
+    assert any(float(jnp.abs(a - b).max()) > 0 for a, b in
+               zip(jax.tree.leaves(moved), jax.tree.leaves(native["batch_stats"])))
+    np.testing.assert_allclose(np.asarray(pipe.apply(variables, x)),       # evaluation
+                               np.asarray(model.apply(native, x)), rtol=1e-5, atol=1e-6)
+
+
 # --- errors -------------------------------------------------------------------------
 class Branchy(nn.Module):
     @nn.compact

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.layers import apply_layer, init_layer, layer_rng, takes_train
+from jaxhybrid.layers import apply_layer, init_layer, layer_rng, mode_kwargs
 
 PyTree = Any
 TASKS = ("classification", "language_model", "translation")
@@ -191,7 +191,7 @@ class Sequential(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         for layer in self.layers:
-            x = layer(x, train=train) if takes_train(layer) else layer(x)
+            x = layer(x, **mode_kwargs(layer, train))
         return x
 
 

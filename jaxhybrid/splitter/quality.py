@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxhybrid.layers import takes_train
+from jaxhybrid.layers import mode_kwargs
 from jaxhybrid.models.spec import Sequential
 from jaxhybrid.plan import layer_times, partition, stage_costs
 from jaxhybrid.splitter.costs import piece_costs
@@ -40,8 +40,7 @@ class CutAfter(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        return stage_boundary(self.layer(x, train=train) if takes_train(self.layer)
-                              else self.layer(x))
+        return stage_boundary(self.layer(x, **mode_kwargs(self.layer, train)))
 
 
 def as_module(layers: Sequence[Any], marked: bool = False) -> nn.Module:

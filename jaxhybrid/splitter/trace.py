@@ -5,7 +5,8 @@ An adapter flattens the model's own variable tree (what `model.init` returns for
 "batch_stats", ...) and name, and gives
     forward(var_leaves, x, key, train) -> (y, new values of the state leaves)
 with the model called as `model(x, **call_kwargs)`, `train=` set when `__call__` takes it
-(else `deterministic=not train` when it takes that), linen and NNX alike, and for NNX the
+(or `training=` / `is_training=`, else `deterministic=not train`: `layers.MODE_FLAGS`),
+linen and NNX alike, and for NNX the
 attributes `deterministic` / `use_running_average` set too. The
 "dropout" rng of a linen model is `key` (raw uint32 key data). NNX rng streams (RngKey /
 RngCount variables) are not trained: while split they are re-seeded per microbatch, the
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid import layers
 
 PyTree = Any
 
@@ -64,8 +66,7 @@ class Adapter:
     avals: list = None        # ShapeDtypeStruct per leaf
     program_vars: list = None  # leaf indices that are traced inputs (not NNX rng state)
     rng_leaves: list = None   # NNX: (leaf index, "key" | "count")
-    takes_train: bool = False
-    takes_deterministic: bool = False   # linen __call__(..., deterministic=) instead of train
+    mode_flag: str | None = None   # the MODE_FLAGS name `__call__` takes, if any
     graphdef: Any = None
     paths: list = None        # tree path per leaf
 
@@ -123,12 +124,9 @@ class Adapter:
 
     # --- the forward ----------------------------------------------------------------
     def mode_kwargs(self, train: bool) -> dict:
-        """`train=` or `deterministic=` for a `__call__` that takes it (linen and NNX)."""
-        if self.takes_train:
-            return {"train": train}
-        if self.takes_deterministic:
-            return {"deterministic": not train}
-        return {}
+        """The mode flag (`train=`, `deterministic=`, ...: `layers.MODE_FLAGS`) for a
+        `__call__` that takes one (linen and NNX)."""
+        return layers.mode_kwargs(self.model, train)
 
     def forward(self, var_leaves: list, x, key, train: bool):
         leaves = [None] * len(self.avals)
@@ -194,20 +192,18 @@ def _nnx_collection(var) -> str:
 
 
 def _read_signature(a: Adapter) -> None:
-    """Which mode flag `a.model.__call__` takes (`train`, else `deterministic`), and a
-    clear error, before any tracing, when it needs more positional inputs than the one
-    input pytree the pipeline passes, or when call_kwargs sets the mode flag."""
+    """Which mode flag `a.model.__call__` takes (`layers.mode_flag`), and a clear error,
+    before any tracing, when it needs more positional inputs than the one input pytree
+    the pipeline passes, or when call_kwargs sets the mode flag."""
     try:
         params = inspect.signature(type(a.model).__call__).parameters
     except (TypeError, ValueError):
         return
-    a.takes_train = "train" in params
-    a.takes_deterministic = not a.takes_train and "deterministic" in params
-    for name, taken in (("train", a.takes_train), ("deterministic", a.takes_deterministic)):
-        if taken and name in a.call_kwargs:
-            raise ValueError(f"Splitter: do not pass {name} in call_kwargs; the pipeline "
-                             f"sets it (training in value_and_grad, evaluation in apply).")
-    set_by_us = {"train"} if a.takes_train else {"deterministic"} if a.takes_deterministic else set()
+    a.mode_flag = layers.mode_flag(a.model)
+    if a.mode_flag is not None and a.mode_flag in a.call_kwargs:
+        raise ValueError(f"Splitter: do not pass {a.mode_flag} in call_kwargs; the pipeline "
+                         f"sets it (training in value_and_grad, evaluation in apply).")
+    set_by_us = {a.mode_flag} - {None}
     positional = [n for n, p in list(params.items())[1:]   # after self
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [n for n in positional[1:] if params[n].default is params[n].empty
