@@ -471,6 +471,16 @@ def test_nnx_variable_holding_a_python_number():
     assert int(pipe.unpack(new)["steps"][...]) == int(ref.steps[...]) == 2
 
 
+def _two_stages(model, x):
+    """(pipeline, packed variables, the model's own variables): `model` split over
+    pipe 2, 2 microbatches, initialised on `x`."""
+    split = SplitModel(model, x[:4], min_pieces=2)
+    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=jp.even_boundaries(split.num_pieces, 2), remat="none")
+    variables = pipe.init(jax.random.key(0), x)
+    return pipe, variables, pipe.unpack(variables)
+
+
 class ReadsItsOwnState(nn.Module):
     """An EMA of its features, updated in training and read in the same call."""
 
@@ -489,11 +499,7 @@ def test_state_a_microbatch_starts_from_is_not_differentiated():
     one microbatch into the next (5% of the gradient off the pipeline's)."""
     x, t = _vectors(8, seed=4)
     model = ReadsItsOwnState()
-    split = SplitModel(model, x[:4], min_pieces=2)
-    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
-                       boundaries=jp.even_boundaries(split.num_pieces, 2), remat="none")
-    variables = pipe.init(jax.random.key(0), x)
-    native = pipe.unpack(variables)
+    pipe, variables, native = _two_stages(model, x)
     _, grads, _ = pipe.value_and_grad(mse)(variables, x, t)
     got = pipe.unpack({**variables, "params": grads})["params"]
     _, ref, _ = jp.reference_value_and_grad([model], [native], mse, x, t, num_microbatches=2)
@@ -548,11 +554,7 @@ def test_mode_flag_by_any_of_its_usual_names(net):
     statistics frozen: only `train` and `deterministic` were looked for."""
     x, t = _vectors(8, seed=6)
     model = net()
-    split = SplitModel(model, x[:4], min_pieces=2)
-    pipe = jp.Pipeline(split, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
-                       boundaries=jp.even_boundaries(split.num_pieces, 2), remat="none")
-    variables = pipe.init(jax.random.key(0), x)
-    native = pipe.unpack(variables)
+    pipe, variables, native = _two_stages(model, x)
     grad_fn = pipe.value_and_grad(mse)
     losses = [float(grad_fn(variables, x, t, jax.random.key(k))[0]) for k in (1, 2)]
     assert losses[0] != losses[1]                              # dropout is on in training
