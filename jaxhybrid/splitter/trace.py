@@ -66,7 +66,6 @@ class Adapter:
     avals: list = None        # ShapeDtypeStruct per leaf
     program_vars: list = None  # leaf indices that are traced inputs (not NNX rng state)
     rng_leaves: list = None   # NNX: (leaf index, "key" | "count")
-    mode_flag: str | None = None   # the MODE_FLAGS name `__call__` takes, if any
     graphdef: Any = None
     paths: list = None        # tree path per leaf
 
@@ -192,18 +191,18 @@ def _nnx_collection(var) -> str:
 
 
 def _read_signature(a: Adapter) -> None:
-    """Which mode flag `a.model.__call__` takes (`layers.mode_flag`), and a clear error,
-    before any tracing, when it needs more positional inputs than the one input pytree
-    the pipeline passes, or when call_kwargs sets the mode flag."""
+    """A clear error, before any tracing, when `a.model.__call__` needs more positional
+    inputs than the one input pytree the pipeline passes, or when call_kwargs sets the
+    mode flag the pipeline sets (`layers.mode_flag`)."""
     try:
         params = inspect.signature(type(a.model).__call__).parameters
     except (TypeError, ValueError):
         return
-    a.mode_flag = layers.mode_flag(a.model)
-    if a.mode_flag is not None and a.mode_flag in a.call_kwargs:
-        raise ValueError(f"Splitter: do not pass {a.mode_flag} in call_kwargs; the pipeline "
+    flag = layers.mode_flag(a.model)
+    if flag is not None and flag in a.call_kwargs:
+        raise ValueError(f"Splitter: do not pass {flag} in call_kwargs; the pipeline "
                          f"sets it (training in value_and_grad, evaluation in apply).")
-    set_by_us = {a.mode_flag} - {None}
+    set_by_us = {flag} - {None}
     positional = [n for n, p in list(params.items())[1:]   # after self
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [n for n in positional[1:] if params[n].default is params[n].empty
