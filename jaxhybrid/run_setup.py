@@ -167,6 +167,10 @@ def _check_settings(config) -> None:
     require(not pr.enabled or (_int(pr.start_step) and pr.start_step >= 1 and _int(pr.num_steps)
                                 and pr.num_steps >= 1),
              "profile.start_step and profile.num_steps must be ints >= 1.")
+    # A window after the last step would trace nothing, without a word.
+    require(not pr.enabled or pr.start_step <= t.steps,
+            f"profile.start_step={pr.start_step} is after the run's last step (train.steps="
+            f"{t.steps}); set profile.start_step <= {t.steps}.")
 
 
 def _streams(config, spec, rows, train_data, eval_data):

@@ -377,7 +377,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     from tqdm import tqdm
     bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
                disable=None if writer is not None else True)
-    trace = _ProfilerTrace(config.profile, workdir)
+    trace = _ProfilerTrace(config.profile, workdir, b.start + 1)
     try:
         for step in range(b.start + 1, t.steps + 1):
             trace.before(step)
@@ -435,18 +435,24 @@ def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
 
 class _ProfilerTrace:
     """config.profile: a jax profiler trace of steps start_step .. start_step +
-    num_steps - 1 in workdir/profile."""
+    num_steps - 1 in workdir/profile; a resumed run traces what is left of them."""
 
-    def __init__(self, profile, workdir: pathlib.Path):
+    def __init__(self, profile, workdir: pathlib.Path, first_step: int):
         self.profile, self.workdir, self.tracing = profile, workdir, False
+        self.last = profile.start_step + profile.num_steps - 1
+        if profile.enabled and first_step > self.last:
+            logging.warning("profile: steps %d..%d ran before the restored step %d; no trace "
+                            "(set profile.start_step > %d)", profile.start_step, self.last,
+                            first_step - 1, first_step - 1)
 
     def before(self, step: int) -> None:
-        if self.profile.enabled and step == self.profile.start_step:
+        if self.profile.enabled and not self.tracing and \
+                self.profile.start_step <= step <= self.last:
             jax.profiler.start_trace(str(self.workdir / "profile"))
             self.tracing = True
 
     def after(self, step: int, state) -> None:
-        if self.tracing and step == self.profile.start_step + self.profile.num_steps - 1:
+        if self.tracing and step == self.last:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
             self.tracing = False

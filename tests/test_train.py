@@ -11,6 +11,7 @@ import pathlib
 import shutil
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -196,6 +197,20 @@ def test_own_data_streams_replace_the_dataset(reference, tmp_path):
                                  train_data=lambda: itertools.islice(ds["train"].batches(), 3))
 
 
+def test_resumed_run_traces_what_is_left_of_the_profile_window(tmp_path, caplog):
+    # Steps 2-3 traced; a run resumed at step 3 traces step 3, one resumed later none.
+    profile = ml_collections.ConfigDict(dict(enabled=True, start_step=2, num_steps=2))
+    trace = train._ProfilerTrace(profile, tmp_path, first_step=3)
+    for step in (3, 4):
+        trace.before(step)
+        assert trace.tracing == (step == 3)
+        trace.after(step, None)
+    assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
+    train._ProfilerTrace(profile, tmp_path / "late", first_step=5).before(5)
+    assert not (tmp_path / "late").exists()
+    assert "steps 2..3 ran before the restored step 4" in caplog.text
+
+
 def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     config = gpt_config(**{"train.learning_rate": 1e12, "train.warmup_steps": 0,
                            "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0,
@@ -218,6 +233,7 @@ def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     ({"train.optimizer": "lamb"}, r"train.optimizer='lamb' is unknown"),
     ({"pipeline.boundaries": (1, 2)}, r"pipeline: "),
     ({"mesh.pipe": 8, "mesh.data": 1, "pipeline.boundaries": None}, r"8 stages .*but only 4 layers"),
+    ({"profile.enabled": True, "profile.start_step": 7}, r"profile.start_step=7 is after .*=6\)"),
 ])
 def test_bad_config_fails_clearly_before_touching_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "w"
