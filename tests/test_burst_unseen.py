@@ -406,6 +406,15 @@ def test_background_job_of_no_examples_is_refused():
         multiplex.BackgroundJob(BG_LAYERS, xent, optax.sgd(0.1), 0)
 
 
+def test_loss_fn_that_cannot_take_outputs_and_targets_is_refused_at_creation():
+    # Was a TypeError deep in the first step's trace, after the program compiled.
+    mesh = make_mesh(data=8, pipe=1)
+    with pytest.raises(TypeError, match=r"BurstProgram: loss_fn\(y\) cannot be called"):
+        burst.BurstProgram(LAYERS, lambda y: jnp.mean(y), (8, 2, 1, 4, 8), mesh, 16)
+    with pytest.raises(TypeError, match=r"BackgroundJob: loss_fn must be a function"):
+        multiplex.BackgroundJob(BG_LAYERS, "xent", optax.sgd(0.1), 4)
+
+
 @pytest.mark.parametrize("flag", ["--repeats=0", "--bg_batch=0"])
 def test_burst_bench_bad_counts_fail_before_compiling(flag):
     # --repeats=0 failed in min() after compiling four programs; --bg_batch=0 ran.

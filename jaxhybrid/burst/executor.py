@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
+from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, scalar_loss
 from jaxhybrid.mesh import DATA, PIPE
 
 PyTree = Any
@@ -59,6 +59,7 @@ class BurstProgram:
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        check_loss_fn(self.loss_fn, "BurstProgram")
         check_widths(self.widths, len(self.layers), self.num_devices, self.batch_size)
         pipe = dict(self.mesh.shape).get(PIPE, 1)
         if pipe != 1:

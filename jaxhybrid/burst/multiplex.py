@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
                                       check_batch, check_stacked,
                                       explicit_value_and_grad, shard)
-from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
+from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, scalar_loss
 from jaxhybrid.mesh import DATA
 
 
@@ -52,6 +52,7 @@ class BackgroundJob:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ValueError("BackgroundJob: no layers.")
+        check_loss_fn(self.loss_fn, "BackgroundJob")
         if int(self.batch_size) < 1:      # 0 ran a job of empty batches silently
             raise ValueError(f"BackgroundJob: batch_size={self.batch_size} must be >= 1 "
                              f"(examples per device instance).")
