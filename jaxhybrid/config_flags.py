@@ -99,7 +99,11 @@ def _parent_of(config: ml_collections.ConfigDict, key: str):
     parts = key.split(".")
     node = config
     for depth, part in enumerate(parts):
-        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        # An open group (model.overrides, see `open_model_options`) takes new keys.
+        new_in_open = (depth == len(parts) - 1 and isinstance(node, ml_collections.ConfigDict)
+                       and not node.is_locked)
+        if not new_in_open and (not isinstance(node, ml_collections.ConfigDict)
+                                or part not in node):
             prefix = ".".join(parts[:depth])
             valid = (config_keys(node, prefix + "." if prefix else "")
                      if isinstance(node, ml_collections.ConfigDict) else [])
@@ -109,6 +113,17 @@ def _parent_of(config: ml_collections.ConfigDict, key: str):
         if depth < len(parts) - 1:
             node = node[part]
     return node, parts[-1]
+
+
+def open_model_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Unlocks config.model.overrides in a locked config: it holds any of the model's
+    options (`--config.model.overrides.num_heads=2` for one the config file does not
+    name); the model refuses unknown ones, naming its valid options."""
+    model = config.get("model") if isinstance(config, ml_collections.ConfigDict) else None
+    if isinstance(model, ml_collections.ConfigDict) and isinstance(
+            model.get("overrides"), ml_collections.ConfigDict):
+        model.overrides.unlock()
+    return config
 
 
 def set_dotted(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
@@ -132,7 +147,7 @@ def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ValueError(f"config file {path}: get_config() returned "
                          f"{type(config).__name__}; return an ml_collections.ConfigDict.")
-    config.lock()
+    open_model_options(config.lock())
     for key, value in _flatten(overrides or {}).items():
         set_dotted(config, key, value)
     return config
@@ -157,7 +172,7 @@ class _ResolvingParser(_ml_impl.ConfigFileFlagParser):
         if not isinstance(path, str):
             return path   # already a config (e.g. a default set programmatically)
         name, colon, arg = path.partition(":")
-        return super().parse(resolve_config_path(name) + colon + arg)
+        return open_model_options(super().parse(resolve_config_path(name) + colon + arg))
 
 
 class _CheckedConfigFlag(_ml_impl._ConfigFlag):  # pylint: disable=protected-access
@@ -188,11 +203,13 @@ def define_config_flag(name: str = "config", default: str | None = None,
                                   f"({', '.join(available_configs())}); override fields "
                                   f"with --{name}.train.steps=10 etc.")
     # ml_collections builds its parser inside DEFINE_config_file; this is the same flag
-    # class, given our resolving parser (ml_collections is pinned <2 in setup.py).
+    # class, given our resolving parser (ml_collections is pinned <2 in setup.py). New
+    # attributes are accepted only where _CheckedConfigFlag lets them (model.overrides):
+    # their values are parsed as Python literals (else strings).
     flag = _CheckedConfigFlag(
         parser=_ResolvingParser(name=name, lock_config=True),
         serializer=flags.ArgumentSerializer(), name=name, default=default,
-        help_string=help_string, flag_values=flag_values)
+        help_string=help_string, flag_values=flag_values, accept_new_attributes=True)
     return flags.DEFINE_flag(flag, flag_values)
 
 
@@ -226,5 +243,5 @@ def define_int_list(name: str, default, help: str, minimum: int = 1) -> None:   
 
 
 __all__ = ["CONFIG_DIR", "IntListParser", "available_configs", "base_config", "config_keys",
-           "define_config_flag", "define_int_list", "load_config", "resolve_config_path",
-           "set_dotted"]
+           "define_config_flag", "define_int_list", "load_config", "open_model_options",
+           "resolve_config_path", "set_dotted"]

@@ -89,6 +89,21 @@ def test_flag_with_missing_config_or_unknown_key_is_a_flag_error(monkeypatch):
         _parse(argv)
 
 
+def test_any_model_option_can_be_overridden_by_its_own_key(monkeypatch):
+    # gpt_hybrid.py names only dropout_rate: num_heads was "unknown key" (the whole-dict
+    # form --config.model.overrides="{...}" was the only way, and dropped dropout_rate).
+    argv = ["--config=gpt_hybrid.py", "--config.model.overrides.num_heads=2",
+            "--config.model.overrides.dtype=bfloat16", "--config.model.overrides.tied=false"]
+    monkeypatch.setattr(sys, "argv", ["prog", *argv])
+    assert dict(_parse(argv).model.overrides) == {"dropout_rate": 0.1, "num_heads": 2,
+                                                  "dtype": "bfloat16", "tied": False}
+    c = load_config("gpt_hybrid.py", {"model.overrides.num_heads": 2})
+    assert dict(c.model.overrides) == {"dropout_rate": 0.1, "num_heads": 2}
+    for key in ("model.stepz", "model.overrides.a.b"):   # only options, one level deep
+        with pytest.raises(ValueError, match=f"unknown key '{key}'"):
+            load_config("gpt_hybrid.py", {key: 1})
+
+
 def _script_env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"     # the script must add the 8 devices itself
