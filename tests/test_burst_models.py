@@ -52,3 +52,19 @@ def test_bad_options():
         with pytest.raises(ValueError, match=r"gpt: dropout_rate=.* must be a number in \[0, 1\)"):
             models.get_model("gpt", "tiny", dropout_rate=rate)
     assert models.get_model("gpt", "tiny", dropout_rate=0.0) is not None
+    # Wrong types and signs: tracebacks from inside the model or the planner before.
+    for name, option, need in [
+            ("gpt", {"num_layers": "x"}, r"num_layers='x' must be an int >= 1"),
+            ("gpt", {"d_model": -4}, r"d_model=-4 must be an int >= 1"),
+            ("biglstm", {"vocab_size": 0}, r"vocab_size=0 must be an int >= 1"),
+            ("gpt", {"tied": 1}, r"tied=1 must be True or False"),
+            ("gpt", {"dtype": "int8"}, r"dtype='int8' must be a float dtype name"),
+            ("gnmt", {"pad_id": -1}, r"pad_id=-1 must be an int >= 0 or None"),
+            ("inception_v3", {"width": 0.0}, r"width=0.0 must be a finite number > 0"),
+            ("inception_v3", {"bn_momentum": 1.0}, r"bn_momentum=1.0 must be a number in"),
+            ("inception_v3", {"aux_weight": -1.0}, r"aux_weight=-1.0 must be a number >= 0")]:
+        with pytest.raises(ValueError, match=rf"{name}: {need}"):
+            models.get_model(name, "tiny", **option)
+    for name, option in [("gpt", {"dtype": "bfloat16", "pad_id": None, "tied": True}),
+                         ("biglstm", {"num_sampled": 0}), ("inception_v3", {"width": 1})]:
+        assert models.get_model(name, "tiny", **option) is not None

@@ -253,15 +253,48 @@ def forward_flops(layers: Sequence[nn.Module], inputs: PyTree) -> float:
     return _jaxpr_flops(jaxpr.jaxpr)
 
 
+# Options whose allowed range is not "> 0" (floats) or ">= 1" (ints with a default >= 1).
+_OPTION_RANGES = {"dropout_rate": (0, 1, "the fraction of units dropped; 0 turns dropout off"),
+                  "bn_momentum": (0, 1, "the running statistics' decay"),
+                  "aux_weight": (0, math.inf, "the auxiliary head's loss weight")}
+
+
+def _option_error(key: str, value, default) -> str | None:
+    """What `value` must be for an option whose default is `default`, or None when it
+    fits. Wrong types or signs failed as tracebacks from inside the model or the plan
+    ('str' object cannot be interpreted as an integer; Slice size out of range)."""
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    is_num = (is_int or isinstance(value, (float, np.floating))) and math.isfinite(value)
+    if default is None or key.endswith("_id"):     # a token id, or None for none
+        return None if value is None or (is_int and value >= 0) else "an int >= 0 or None"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "True or False"
+    if isinstance(default, int):
+        low = 1 if default >= 1 else 0
+        return None if is_int and value >= low else f"an int >= {low}"
+    if isinstance(default, float):
+        ranged = next((r for name, r in _OPTION_RANGES.items() if key.endswith(name)), None)
+        if ranged is None:                          # a width, a scale: > 0
+            return None if is_num and value > 0 else "a finite number > 0"
+        low, high, what = ranged
+        span = f"in [{low}, {high})" if high < math.inf else f">= {low}"
+        return None if is_num and low <= value < high else f"a number {span} ({what})"
+    if key == "dtype":
+        try:
+            ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+        except TypeError:
+            ok = False
+        return None if ok else "a float dtype name, e.g. 'float32' or 'bfloat16'"
+    return None                                    # tuples etc.: the model checks them
+
+
 def check_overrides(model: str, defaults: dict, overrides: dict) -> dict:
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise ValueError(f"{model}: unknown option(s) {unknown}; valid options: "
                          f"{sorted(defaults)}.")
     for key, value in overrides.items():
-        # flax's Dropout takes any rate: GPT trained silently at 1.5 (grad norm 0.03, not 2.6).
-        if key.endswith("dropout_rate") and not (isinstance(value, (int, float))
-                                                 and 0 <= value < 1):
-            raise ValueError(f"{model}: {key}={value!r} must be a number in [0, 1) (the "
-                             f"fraction of units dropped; 0 turns dropout off).")
+        need = _option_error(key, value, defaults[key])
+        if need:
+            raise ValueError(f"{model}: {key}={value!r} must be {need}.")
     return {**defaults, **overrides}
