@@ -62,7 +62,9 @@ class MetricWriter:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
-        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1 if start_step else None)
+        # Purged from step 1 too: a fresh start in a workdir whose run crashed before its
+        # first checkpoint would else show that run's steps beside the new ones.
+        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:

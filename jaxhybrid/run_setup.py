@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -140,9 +141,12 @@ def _check_settings(config) -> None:
              f"(1: optimizer state sharded over the mesh's data replicas).")
     require(t.optimizer in OPTIMIZERS,
              f"train.optimizer={t.optimizer!r} is unknown; choose one of {OPTIMIZERS}.")
-    require(t.learning_rate > 0, f"train.learning_rate={t.learning_rate} must be > 0.")
+    # inf passed "> 0" and diverged at the first step, after planning and compiling.
+    require(0 < t.learning_rate < math.inf,
+            f"train.learning_rate={t.learning_rate} must be a finite number > 0.")
     for name in ("weight_decay", "grad_clip_norm", "momentum"):
-        require(t[name] >= 0, f"train.{name}={t[name]} must be >= 0.")
+        require(0 <= t[name] < math.inf, f"train.{name}={t[name]} must be a finite number "
+                                         f">= 0{' (0: no clipping)' * (name == 'grad_clip_norm')}.")
     if p.schedule in SCHEDULES and asynchronous.is_asynchronous(make_schedule(p.schedule, 1, 1)):
         # Its optimizer runs per device inside the pipeline (see docs/async.md).
         require(t.grad_clip_norm == 0 and t.weight_decay == 0,

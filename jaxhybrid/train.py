@@ -231,6 +231,8 @@ def _check_writable(workdir: pathlib.Path) -> None:
     an OSError traceback when config.json was written, after planning and compiling."""
     for path in (workdir / "checkpoints", workdir, *workdir.parents):
         if path.exists():
+            require(path.is_dir(), f"workdir: {path} is a file, so {workdir} cannot be made "
+                                   f"in it; pass a --workdir under a directory.")
             require(os.access(path, os.W_OK | os.X_OK),
                     f"workdir: {path} is not writable (a read-only file system or no "
                     f"permission); pass a --workdir this process can write to.")
@@ -314,11 +316,11 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     planned = config.pipeline.boundaries is None or config.pipeline.memory_budget is not None
     # With explicit boundaries `pipe.plan` would profile every layer just for this log.
     if main:
-        logging.info("model %s on mesh data=%d x pipe=%d x model=%d (%d processes), stage "
-                     "boundaries %s\n%s",
+        logging.info("model %s on mesh data=%d x pipe=%d x model=%d (%d processes), %d "
+                     "stages, boundaries %s\n%s",
                      config.model.module or f"{config.model.name}/{config.model.size}",
-                     pipe.data, pipe.num_stages, pipe.model,
-                     jax.process_count(), pipe.boundaries, pipe.plan.summary() if planned else "")
+                     pipe.data, pipe.pipe_size, pipe.model, jax.process_count(),
+                     pipe.num_stages, pipe.boundaries, pipe.plan.summary() if planned else "")
     masks = masks or _masks(pipe, t, variables)
     state = initial_state(pipe, t, variables, masks)
     start = 0
@@ -411,8 +413,9 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
                 final, window, tick = record, [], time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
+                saving = time.time()
                 b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step})
-                last_saved = step
+                last_saved, tick = step, tick + time.time() - saving   # not a step's time
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
     finally:
@@ -430,7 +433,8 @@ def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
             f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
             f"{m['grad_norm']}, param_norm={m['param_norm']}): the run diverged; lower "
             f"train.learning_rate (now {t.learning_rate}) or set train.grad_clip_norm; "
-            f"last checkpoint: step {last_saved} in {ckpt.directory}.")
+            + (f"last checkpoint: step {last_saved} in {ckpt.directory}." if last_saved
+               else f"no checkpoint was saved in {ckpt.directory}."))
 
 
 class _ProfilerTrace:

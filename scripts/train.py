@@ -165,7 +165,8 @@ def main(argv):
         sys.exit(f"error: process {jax.process_index()}: {str(e).splitlines()[0]} (if "
                  f"another process stopped, its output names the cause)")
     if main_process:
-        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+        # Significant digits: a learning rate of 1.5e-4 printed as 0.0001 with .4f.
+        print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in result.items()))
 
 

@@ -123,6 +123,9 @@ def test_script_trains_the_default_config_for_two_steps(tmp_path):
     assert "step=2" in out.stdout and "eval_accuracy=" in out.stdout
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["step"] == 2 and 0 <= recs[-1]["eval_accuracy"] <= 1
+    # The summary line's figures to 5 significant digits (the warm-up's 3.3e-4 was 0.0003).
+    final = dict(f.split("=", 1) for f in out.stdout.strip().splitlines()[-1].split())
+    assert float(final["learning_rate"]) == pytest.approx(recs[-1]["learning_rate"], rel=1e-4)
     assert (tmp_path / "checkpoints" / "2").is_dir()
     assert "orbax" not in out.stderr                         # its INFO chatter is filtered
     assert "start-up: plan" in out.stderr and "launch -> first step done" in out.stderr

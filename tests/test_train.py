@@ -9,6 +9,7 @@ import itertools
 import json
 import pathlib
 import shutil
+import time
 
 import jax
 import ml_collections
@@ -60,10 +61,14 @@ def reference(tmp_path_factory):
                            "pipeline.schedule": "zb-h1", "pipeline.boundaries": (1, 2, 3)}),
     ("gpt_hybrid.py", {"train.batch_size": 16, "data.options.max_bytes": 40_000}),
 ])
-def test_every_config_runs_two_steps_at_tiny_size(tmp_path, name, overrides):
+def test_every_config_runs_two_steps_at_tiny_size(tmp_path, name, overrides, caplog):
     config = load_config(name, {"model.size": "tiny", "train.steps": 2, "train.eval_steps": 1,
                                 **overrides})
+    caplog.set_level("INFO", logger="absl")
     final = train.train_and_evaluate(config, tmp_path)
+    # The mesh as configured (interleaved logged its 8 stages as pipe=8 on 4 devices).
+    stages = 8 if config.pipeline.schedule == "interleaved" else 4
+    assert f"on mesh data=2 x pipe=4 x model=1 (1 processes), {stages} stages" in caplog.text
     assert final["step"] == 2
     assert np.isfinite(final["train_loss"]) and np.isfinite(final["eval_loss"])
     assert final["eval_loss"] > 0
@@ -211,6 +216,37 @@ def test_resumed_run_traces_what_is_left_of_the_profile_window(tmp_path, caplog)
     assert "steps 2..3 ran before the restored step 4" in caplog.text
 
 
+def _session_starts(event_file) -> list[int]:
+    """Steps of the SessionLog START events in one TensorBoard event file (TFRecords:
+    length, its crc, the Event proto, its crc); TensorBoard purges earlier files' events
+    from such a step on."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    data, out, i = pathlib.Path(event_file).read_bytes(), [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 8], "little")
+        event = Event.FromString(data[i + 12:i + 12 + n])
+        i += 16 + n
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            out.append(event.step)
+    return out
+
+
+def test_fresh_start_in_a_used_workdir_purges_the_old_events(tmp_path):
+    # A run that crashed before its first checkpoint left steps 1-3 in the events; the
+    # restart (from step 0) had no purge marker, so TensorBoard showed both runs.
+    from jaxhybrid.metrics import MetricWriter
+    for steps in ([1, 2, 3], [1, 2]):
+        writer = MetricWriter(tmp_path, start_step=0)
+        for step in steps:
+            writer.write({"step": step, "train_loss": 1.0})
+        writer.close()
+        time.sleep(1.1)          # the event file's name holds the second it was made in
+    files = sorted(tmp_path.glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime_ns)
+    assert len(files) == 2 and _session_starts(files[-1]) == [1]
+    assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2]
+
+
 def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     config = gpt_config(**{"train.learning_rate": 1e12, "train.warmup_steps": 0,
                            "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0,
@@ -221,6 +257,8 @@ def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     assert 1 <= bad <= 20
     saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).all_steps()
     assert all(s < bad for s in saved)
+    assert (f"last checkpoint: step {saved[-1]} in" if saved      # was "step None"
+            else "no checkpoint was saved in") in str(e.value)
     if saved:                              # what was saved before is finite
         state = _restore(config, tmp_path / "checkpoints", saved[-1])
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
@@ -234,6 +272,9 @@ def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     ({"pipeline.boundaries": (1, 2)}, r"pipeline: "),
     ({"mesh.pipe": 8, "mesh.data": 1, "pipeline.boundaries": None}, r"8 stages .*but only 4 layers"),
     ({"profile.enabled": True, "profile.start_step": 7}, r"profile.start_step=7 is after .*=6\)"),
+    ({"train.learning_rate": float("inf")}, r"learning_rate=inf must be a finite number > 0"),
+    ({"train.weight_decay": float("inf")}, r"weight_decay=inf must be a finite number >= 0"),
+    ({"model.overrides.num_layers": "x"}, r"model: gpt: num_layers='x' must be an int >= 1"),
 ])
 def test_bad_config_fails_clearly_before_touching_the_workdir(tmp_path, overrides, message):
     workdir = tmp_path / "w"
