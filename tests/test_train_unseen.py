@@ -191,6 +191,13 @@ def test_a_file_named_checkpoints_in_the_workdir_fails_before_training(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
+def test_a_workdir_under_a_file_is_named_as_such(tmp_path):
+    # Was "... is not writable (a read-only file system or no permission)".
+    (tmp_path / "afile").write_text("")
+    fails_in_one_line(gpt_config(), tmp_path / "afile" / "sub",
+                      r"workdir: .*afile is a file, so .*sub cannot be made in it")
+
+
 def test_an_empty_step_directory_names_the_older_step_to_resume_from(tmp_path):
     """A leftover empty `checkpoints/9/` beside a good step 1: the refusal said only
     "does not fit this model and optimizer"; it now also names step 1 to resume from."""
