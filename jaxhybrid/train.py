@@ -323,6 +323,13 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
                      pipe.num_stages, pipe.boundaries, pipe.plan.summary() if planned else "")
     masks = masks or _masks(pipe, t, variables)
     state = initial_state(pipe, t, variables, masks)
+    if train_step is None:
+        # A split model or a model axis (initialised here, not in the background): its
+        # step compiles now, checked like the others (it compiled in the first step,
+        # unchecked, and its time counted as the first record's steps_per_sec).
+        ckpt.check(pipe, state)
+        train_step = _checked_step(run, t, state, masks, jax.random.fold_in(train_rng, 1),
+                                   config.pipeline)
     start = 0
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(pipe, state)
@@ -332,8 +339,7 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
                          meta.get("layout"))
     phases.stop("init")
-    return _Begun(run, state, masks, train_step or make_train_step(run, t), start, train_rng,
-                  ckpt)
+    return _Begun(run, state, masks, train_step, start, train_rng, ckpt)
 
 
 def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng, ckpt, p):
@@ -349,16 +355,23 @@ def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, r
         masks = _masks(run.pipe, t)
         state = abstract_state(run.pipe, t, masks)   # built once: the check and the compile
         ckpt.check(run.pipe, state)
-        train_step = make_train_step(run, t)
-        if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
-            compiled = compile_ahead(run, train_step, state, masks, rng)
-            planned = (run.pipe.plan.device_memory
-                       if p.boundaries is None or p.memory_budget is not None else None)
-            # Several processes: a step too big for one process's device stops them all
-            # (the others would wait for it in the first step's collectives).
-            logging.info(distributed.fail_together(lambda: check_step_memory(
-                compiled, p.memory_budget, planned, device_memory_limit()), ConfigError))
+        train_step = _checked_step(run, t, state, masks, rng, p)
     return train_step, masks
+
+
+def _checked_step(run: Run, t, state, masks, rng, p):
+    """The jitted step, compiled ahead for `state` (its shapes; values are not needed)
+    and refused if it cannot fit the device's memory (`check_step_memory`)."""
+    train_step = make_train_step(run, t)
+    if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
+        compiled = compile_ahead(run, train_step, state, masks, rng)
+        planned = (run.pipe.plan.device_memory
+                   if p.boundaries is None or p.memory_budget is not None else None)
+        # Several processes: a step too big for one process's device stops them all
+        # (the others would wait for it in the first step's collectives).
+        logging.info(distributed.fail_together(lambda: check_step_memory(
+            compiled, p.memory_budget, planned, device_memory_limit()), ConfigError))
+    return train_step
 
 
 def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> dict:

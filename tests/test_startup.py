@@ -236,7 +236,10 @@ def test_train_initialises_the_layers_while_planning():
 @pytest.mark.parametrize("overrides", [
     {},                                          # 1f1b, adamw, weight decay, clipping
     {"pipeline.schedule": "spectrain", "train.optimizer": "sgd",   # optimizer in the pipeline
-     "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0}])
+     "train.weight_decay": 0.0, "train.grad_clip_norm": 0.0},
+    # A model axis: initialised by pipe.init, not in the background; its step compiled
+    # in the first step, with no memory check.
+    {"mesh.data": 1, "mesh.model": 2}])
 def test_train_step_compiles_once_before_the_layers_are_initialised(tmp_path, caplog,
                                                                      overrides):
     """`train_and_evaluate` compiles the step from the layers' shapes while they are
