@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -194,8 +195,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     run = distributed.fail_together(
         lambda: _prepare_in(workdir, config, train_data, eval_data), ConfigError)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
+    fresh = not workdir.exists()
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
-    writer = None
+    writer = begun = None
     try:
         _check_processes_see_one_checkpoint(ckpt)
         begun = _begin(run, config, phases, main, ckpt)
@@ -207,6 +209,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         ckpt.close()
         if writer is not None:
             writer.close()
+        if begun is None and fresh:        # refused at start-up (a plan over budget, ...)
+            _remove_if_empty(workdir)
     final["wall_time_s"] = time.time() - started
     if main:
         logging.info("done: %s", final)
@@ -224,6 +228,13 @@ def _prepare_in(workdir: pathlib.Path, config, train_data, eval_data) -> Run:
             f"checkpoints in that directory).")
     _check_writable(workdir)
     return run
+
+
+def _remove_if_empty(workdir: pathlib.Path) -> None:
+    """A run refused before its first step leaves no workdir of empty folders behind
+    (the checkpoints/ folder orbax made)."""
+    if all(p.is_dir() and not any(p.iterdir()) for p in workdir.iterdir()):
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _check_writable(workdir: pathlib.Path) -> None:

@@ -18,6 +18,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+import jaxhybrid.plan
 from jaxhybrid import checkpoint, data, models, train
 from jaxhybrid.config_flags import base_config, load_config
 
@@ -189,6 +190,15 @@ def test_a_file_named_checkpoints_in_the_workdir_fails_before_training(tmp_path)
         train.train_and_evaluate(gpt_config(), tmp_path)
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
+def test_a_plan_over_the_memory_budget_leaves_no_workdir(tmp_path):
+    # The refusal was right but left an empty checkpoints/ folder (orbax makes it).
+    with pytest.raises(jaxhybrid.plan.MemoryBudgetError, match=r"1KB") as e:
+        train.train_and_evaluate(gpt_config(**{"pipeline.memory_budget": "1KB",
+                                               "pipeline.boundaries": None}), tmp_path / "w")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_workdir_under_a_file_is_named_as_such(tmp_path):
