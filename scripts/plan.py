@@ -8,8 +8,9 @@
 
 Profiles the model's layers on one microbatch (XLA cost analysis; --measure times them),
 then prints `Plan.summary()` (per-stage layers, time, memory, remat) and writes the
-Gantt/memory chart (--plot) and the plan as JSON (--json; `Plan.from_json` reads it, and
-`Pipeline(plan=...)` runs it). --config takes a path or a name in configs/; --model etc.
+Gantt chart (--plot) with the memory chart beside it (<stem>_memory.png), printing both
+paths, and the plan as JSON (--json; `Plan.from_json` reads it, and `Pipeline(plan=...)`
+runs it). --config takes a path or a name in configs/; --model etc.
 override or replace it. Topology spec strings: docs/planner.md.
 """
 import os
@@ -32,11 +33,16 @@ flags.DEFINE_integer("microbatches", None, "microbatches per step.")
 flags.DEFINE_integer("batch_size", None, "global batch size.")
 flags.DEFINE_string("schedule", None, "a registered schedule: gpipe, 1f1b, interleaved, zb-h1, zbv, "
                     "async, pipedream, 2bw, spectrain, ... (an unknown name lists them).")
+flags.DEFINE_integer("virtual_stages", None, "stages per device of --schedule=interleaved "
+                     "(default: config pipeline.virtual_stages, 2); the plan has stages x "
+                     "this many stages.")
 flags.DEFINE_string("topology", None, 'e.g. "2x4:intra=300GB/s,inter=12GB/s".')
 flags.DEFINE_string("memory_budget", None, 'bytes per device, e.g. "16GB".')
 flags.DEFINE_enum("objective", None, ["bottleneck", "alpa"], "stage objective.")
 flags.DEFINE_bool("measure", False, "time each layer instead of the roofline estimate.")
-flags.DEFINE_string("plot", "plan.png", "PNG path for the chart ('' to skip).")
+flags.DEFINE_string("plot", "plan.png", "PNG path of the Gantt chart ('.png' added when it "
+                    "has no suffix); the memory chart goes to <stem>_memory.png beside it "
+                    "('' to skip both).")
 flags.DEFINE_string("json", None, "write the plan as JSON here.")
 
 
@@ -51,11 +57,17 @@ def build_config():
                                 ("mesh", "pipe", FLAGS.stages), ("mesh", "data", FLAGS.data),
                                 ("pipeline", "num_microbatches", FLAGS.microbatches),
                                 ("pipeline", "schedule", FLAGS.schedule),
+                                ("pipeline", "virtual_stages", FLAGS.virtual_stages),
                                 ("train", "batch_size", FLAGS.batch_size)]:
         if value is not None:
             config[section][key] = value
     if not config.model.get("name"):
         raise ValueError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
+    if FLAGS.virtual_stages is not None and config.pipeline.get("schedule") != "interleaved":
+        # Every other schedule fixes its stages per device: the flag would do nothing.
+        raise ValueError(f"--virtual_stages is an option of --schedule=interleaved (the "
+                         f"schedule is {config.pipeline.get('schedule')!r}); drop it or use "
+                         f"interleaved.")
     # -1 (as in make_mesh): the devices left over, on the topology if given, else this host.
     # None: not set (one); 0 stays 0, so that plan_from_config names it.
     data, pipe = (1 if v is None else v for v in (config.mesh.get("data"), config.mesh.get("pipe")))
@@ -86,6 +98,10 @@ def main(argv):
             if folder and not os.path.isdir(folder):   # found out after planning, before
                 raise ValueError(f"{flag}={path}: no folder {folder}; create it or pick "
                                  f"another path.")
+        suffix = os.path.splitext(FLAGS.plot or "")[1]
+        if suffix.lower() not in ("", ".png"):   # matplotlib took it as the format, after planning
+            raise ValueError(f"--plot={FLAGS.plot}: the charts are PNGs; give a path ending in "
+                             f".png (or no suffix: .png is added).")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,
@@ -96,9 +112,9 @@ def main(argv):
           f"data={config.mesh.data} x pipe={config.mesh.pipe}, "
           f"M={config.pipeline.num_microbatches}, batch {config.train.batch_size}")
     print(plan.summary())
-    if FLAGS.plot:
-        plan.plot(FLAGS.plot)
-        print(f"chart: {FLAGS.plot}")
+    if FLAGS.plot:   # the files written (--plot=chart wrote chart.png, printed as chart)
+        gantt, memory = plan.plot(FLAGS.plot)
+        print(f"chart: {gantt}\nmemory chart: {memory}")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             f.write(plan.to_json())

@@ -29,22 +29,30 @@ import sys
 
 from absl import app, flags
 
-from jaxhybrid.config_flags import define_int_list
+# Run from anywhere without the package installed, as scripts/train.py, plan.py and
+# burst.py are (the import below failed outside the repository).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxhybrid.config_flags import define_int_list  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "inception_v3", "inception_v3 | gnmt | biglstm (or any "
                     "jaxhybrid.models name with --costs=profile and --per_worker_batch).")
-define_int_list("devices", "8,16,32,64,128,256,512,1024", "device counts N to project.")
+define_int_list("devices", "8,16,32,64,128,256,512,1024", "device counts N to project (each "
+                "must fit a hybrid layout to compare DP-only with: N >= 2).")
 flags.DEFINE_string("hardware", "v100_dgx1", "v100_dgx1 | a100_dgx | h100_dgx | measured.")
-flags.DEFINE_integer("per_worker_batch", None, "examples per DP worker (default: per model).")
+# Sizes are checked when the flags are parsed: 0 or less was found only after profiling
+# (--profile_batch=0: a ZeroDivisionError scaling the costs, -2: "negative dimensions").
+flags.DEFINE_integer("per_worker_batch", None, "examples per DP worker (default: per model).",
+                     lower_bound=1)
 flags.DEFINE_string("costs", "reference", "reference (analytic, full size) | profile | measured.")
 flags.DEFINE_string("size", "full", "model size to profile with --costs=profile/measured.")
-flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--costs=profile).")
+flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--costs=profile).",
+                     lower_bound=1)
 flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (names in "
                   "jaxhybrid.schedules.SCHEDULES: gpipe, 1f1b, interleaved, zb-h1, zbv).")
 define_int_list("microbatches", None, "microbatch counts to search (default: every divisor "
                   "of the per-worker batch).")
-flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.")
+flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.", lower_bound=1)
 define_int_list("model_degrees", "1", "tensor-parallel degrees to search (mesh model=; "
                   "each must divide the model's heads / MLP width), e.g. 1,2,4.")
 define_int_list("zero", "0", "ZeRO settings to search: 0 (replicated optimizer state), "
@@ -90,6 +98,29 @@ def _check_model():
                          f"{', '.join(names)}.")
 
 
+def _layer_count() -> int:
+    """The model's layers, the deepest pipeline the search tries (cheap: no profiling)."""
+    if FLAGS.costs == "reference":
+        from jaxhybrid.plan.reference_costs import PAPER_MODELS
+        return len(PAPER_MODELS[FLAGS.model].costs(1))
+    from jaxhybrid.models import get_model
+    return len(get_model(FLAGS.model, FLAGS.size).layers)
+
+
+def _no_hybrid(n: int, layers: int) -> bool:
+    """No hybrid layout can run on n devices (data x pipe x model = n with pipe > 1 up to
+    the layers and --max_pipe, or model > 1 from --model_degrees): the search would give
+    its row no hybrid to compare DP-only with."""
+    deepest = min(layers, FLAGS.max_pipe or layers)
+    for t in FLAGS.model_degrees:
+        if n % t:
+            continue
+        rest = n // t   # data x pipe
+        if t > 1 or any(rest % p == 0 for p in range(2, min(rest, deepest) + 1)):
+            return False
+    return True
+
+
 def stat_curve():
     """The statistical-efficiency curve the flags ask for (None: the model's default)."""
     from jaxhybrid.plan import stat_efficiency as se
@@ -127,6 +158,18 @@ def main(argv):
         if costs not in ("reference", "profile", "measured"):
             raise ValueError(f"--costs={costs!r}: choose reference, profile or measured.")
         _check_model()
+        layers = _layer_count()
+        bad = [n for n in FLAGS.devices if _no_hybrid(n, layers)]
+        if bad:   # N=1 printed a hybrid of "nan" ms, a speedup of nan and "crossover None"
+            deepest = min(layers, FLAGS.max_pipe or layers)
+            one = len(bad) == 1
+            raise ValueError(
+                f"--devices: N={','.join(map(str, bad))} {'has' if one else 'have'} no hybrid "
+                f"layout to compare DP-only with (it needs a pipe > 1 dividing N, at most "
+                f"{deepest}: the model's {layers} layers"
+                + (f", --max_pipe={FLAGS.max_pipe}" if FLAGS.max_pipe else "")
+                + ", or a --model_degrees entry > 1 dividing N); drop " + ("it" if one else "them")
+                + (" or raise --max_pipe." if FLAGS.max_pipe and FLAGS.max_pipe < layers else "."))
         if not set(FLAGS.zero) <= {0, 1}:
             raise ValueError(f"--zero={','.join(map(str, FLAGS.zero))}: ZeRO settings are 0 "
                              f"(replicated optimizer state) and 1 (sharded over data), e.g. "
@@ -153,9 +196,12 @@ def main(argv):
         out = proj.to_json()
         if not FLAGS.all_configs:
             out.pop("configs")
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False))   # strict JSON: a NaN fails here
     else:
-        print(proj.table())
+        # Projection.table writes "crossover N = None" when hybrid never wins; say so.
+        print(proj.table().replace(
+            "crossover N = None", f"no crossover (hybrid wins at no N in "
+                                  f"{','.join(map(str, proj.devices))})"))
     if path:
         proj.plot(path)
         print(f"wrote {path}", file=sys.stderr)

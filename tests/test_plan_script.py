@@ -38,3 +38,72 @@ def test_plan_script_errors_are_one_line():
     r = _run("--model=gpt", "--size=tiny", "--stages=2", "--data=1", "--microbatches=0",
              "--plot=")
     assert r.returncode != 0 and "num_microbatches=0 must be >= 1" in r.stderr
+
+
+def test_plan_script_refuses_batch_size_below_one():
+    # 0 planned microbatches of 0 examples (every time 0.000); -32 failed in numpy with
+    # "negative dimensions are not allowed", naming nothing.
+    for size in ("0", "-32"):
+        r = _run("--model=gpt", "--size=tiny", "--stages=2", "--data=1", "--microbatches=2",
+                 f"--batch_size={size}", "--plot=")
+        assert r.returncode != 0
+        assert f"error: plan_from_config: train.batch_size={size} (--batch_size) must be >= 1" \
+            in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plan_script_names_virtual_stages_and_plot_suffixes(tmp_path):
+    # GPT tiny has 4 layers; interleaved runs 2 stages per device by default.
+    r = _run("--model=gpt", "--size=tiny", "--stages=4", "--schedule=interleaved", "--plot=")
+    assert r.returncode != 0
+    assert ("8 stages (pipe 4 x 2 virtual stages per device, interleaved) but the model has "
+            "only 4 layers" in r.stderr and "--virtual_stages" in r.stderr)
+    r = _run("--model=gpt", "--size=tiny", "--stages=2", "--virtual_stages=2", "--plot=")
+    assert r.returncode != 0 and "an option of --schedule=interleaved" in r.stderr
+    r = _run("--model=gpt", "--size=tiny", "--stages=2", f"--plot={tmp_path / 'c.jpg'}")
+    assert r.returncode != 0 and "the charts are PNGs" in r.stderr
+    # --plot without a suffix: matplotlib wrote chart.png while "chart" was printed, and
+    # the memory chart was printed nowhere. Every file written is printed now. The fix it
+    # names works: virtual_stages=1 was planned with the builder's default 2.
+    chart, js = tmp_path / "chart", tmp_path / "p.json"
+    r = _run("--model=gpt", "--size=tiny", "--stages=4", "--data=1", "--schedule=interleaved",
+             "--virtual_stages=1", "--microbatches=4", "--batch_size=8", f"--plot={chart}",
+             f"--json={js}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    written = [tmp_path / "chart.png", tmp_path / "chart_memory.png"]
+    assert f"chart: {written[0]}" in r.stdout and f"memory chart: {written[1]}" in r.stdout
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png", "chart_memory.png",
+                                                           "p.json"]
+    plan = Plan.from_json(js.read_text())
+    assert plan.num_stages == 4 and plan.virtual_stages == 1
+
+
+def test_chart_title_gives_the_bars_span_and_the_step_by_part(monkeypatch, tmp_path):
+    # The title said "step X ms" (compute + engine + transfers) over bars of the layer
+    # work alone, which ended far earlier (27.7 ms over an axis ending at 6.9 ms, zbv).
+    import dataclasses
+
+    from jaxhybrid.plan import make_plan
+    from jaxhybrid.plan.costs import LayerCost
+    from jaxhybrid.schedules import gantt
+    drawn = []
+    monkeypatch.setattr(gantt, "draw", lambda path, bars, n, **kw: drawn.append((bars, kw)))
+    costs = [LayerCost(f"l{i}", 1, 1e9, 2e9, 1e7, 2e7, 4000, 1000, 4096, 4096, 4096, 4096,
+                       1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3)) for i in range(8)]
+    for schedule in ("1f1b", "zbv"):
+        p = make_plan(costs, num_stages=2, num_microbatches=4, schedule=schedule)
+        p = dataclasses.replace(p, tick_overhead=1e-2, transfer_per_tick=2e-3,
+                                compute_slots=1.5)
+        drawn.clear()
+        paths = p.plot(str(tmp_path / "chart"))   # the Gantt chart is recorded, not drawn
+        (bars, kw), = drawn[:1]
+        span = max(b.start + b.length for b in bars)
+        step = p.predicted_step
+        assert step.total == p.predicted_step_time and 1e3 * step.total > 1.5 * span
+        title = kw["title"]
+        assert f"bars = layer work, {span:.3g} ms" in title
+        assert f"predicted step {1e3 * step.total:.3g} ms = bars" in title
+        assert f"+ {1e3 * step.compute - span:.3g} shared cores" in title
+        assert f"+ {1e3 * step.engine:.3g} engine" in title
+        assert f"+ {1e3 * step.transfer:.3g} transfers" in title
+        assert paths == [str(tmp_path / "chart.png"), str(tmp_path / "chart_memory.png")]

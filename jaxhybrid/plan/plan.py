@@ -23,7 +23,7 @@ from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
-from jaxhybrid.plan.step_model import engine_terms, lockstep_time, tick_transfer
+from jaxhybrid.plan.step_model import StepTime, engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import SCHEDULES, make_schedule
 
@@ -114,11 +114,9 @@ class Plan:
                              self.num_microbatches, **(self.schedule_options or {}))
 
     @property
-    def predicted_step_time(self) -> float:
-        """The schedule's lock-step ticks (`plan.step_model`, the model the projection
-        uses too) with the tick's boundary transfers, the engine's per-tick costs and
-        shared compute slots of the hardware planned for, plus the slowest stage's
-        all-reduce."""
+    def predicted_step(self) -> StepTime:
+        """`predicted_step_time` by part (`plan.step_model.StepTime`: the ticks' layer
+        work, what the engine's costs add, the transfers, the all-reduce)."""
         f, b = self._tick_costs()
         return lockstep_time(self.schedule_table(), f, b, data=self.data,
                              compute_slots=self.compute_slots or math.inf,
@@ -128,7 +126,15 @@ class Plan:
                              collective_overhead=self.collective_overhead,
                              launch_overhead=self.launch_overhead,
                              transfer_per_tick=self.transfer_per_tick,
-                             allreduce=max(self.stage_allreduce_time, default=0.0)).total
+                             allreduce=max(self.stage_allreduce_time, default=0.0))
+
+    @property
+    def predicted_step_time(self) -> float:
+        """The schedule's lock-step ticks (`plan.step_model`, the model the projection
+        uses too) with the tick's boundary transfers, the engine's per-tick costs and
+        shared compute slots of the hardware planned for, plus the slowest stage's
+        all-reduce."""
+        return self.predicted_step.total
 
     @property
     def bubble_fraction(self) -> float:
@@ -192,17 +198,40 @@ class Plan:
                              f"to_json()?")
         return cls(**d)
 
-    def plot(self, path: str) -> None:
-        """PNG: the schedule's Gantt chart with this plan's per-stage costs (drawn by
-        `Schedule.plot`, the one plotter), and the per-stage memory against the budget
-        (`<path stem>_memory.png`)."""
+    def plot(self, path: str) -> list[str]:
+        """PNGs: the schedule's Gantt chart with this plan's per-stage fwd/bwd times
+        (drawn by `Schedule.plot`, the one plotter; the title adds what the predicted step
+        prices beyond them) at `path` (".png" added when it has no suffix, as matplotlib
+        would), and the per-stage memory against the budget at `<path stem>_memory.png`.
+        Returns the two paths written."""
+        import os
+
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        stem, suffix = os.path.splitext(path)
+        # Named here, not left to matplotlib (which takes the suffix from rcParams and
+        # so could write chart.svg), so that the paths returned are the files written.
+        path = path if suffix else f"{path}.png"
+        table = self.schedule_table()
         f, b = (1e3 * x for x in self._tick_costs())
-        self.schedule_table().plot(path, f, b, title=(
-            f"{self.schedule} S={self.num_stages} M={self.num_microbatches}: step "
-            f"{1e3 * self.predicted_step_time:.3g} ms, bubble {self.bubble_fraction:.2f} (ms)"))
+        # The bars are each tick's layer work (a tick as long as its busiest device); the
+        # step model adds terms per tick or per step (shared cores, the engine's costs,
+        # transfers, the all-reduce) that belong to no task's bar. So the title gives the
+        # bars' span and the step by part: with the step alone it read "step 27.7 ms"
+        # over an axis ending at 6.9 ms (zbv).
+        span, step = float(table.tick_times(f, b).sum()), self.predicted_step
+        extra = [(1e3 * step.compute - span, "shared cores"), (1e3 * step.engine, "engine"),
+                 (1e3 * step.transfer, "transfers"), (1e3 * step.allreduce, "all-reduce")]
+        terms = [f"+ {v:.3g} {name}" for v, name in extra if v > 1e-9 * span]
+        lines = [f"{self.schedule} S={self.num_stages} M={self.num_microbatches}, bubble "
+                 f"{self.bubble_fraction:.2f}: bars = layer work, {span:.3g} ms",
+                 f"predicted step {1e3 * step.total:.3g} ms = "
+                 + ("bars" if terms else "the bars (no engine or transfer terms)")]
+        for term in terms:   # wrapped: the chart may be 6 inches wide
+            lines[-1:] = ([f"{lines[-1]} {term}"] if len(lines[-1]) + len(term) < 60
+                          else [lines[-1], term])
+        table.plot(path, f, b, title="\n".join(lines))
         S = self.num_stages
         fig, axm = plt.subplots(figsize=(5, 0.5 * S + 2))
         top = max([*self.stage_memory, self.memory_budget or 0, self.device_memory or 0])
@@ -222,9 +251,10 @@ class Plan:
         axm.invert_yaxis()
         axm.set_xlabel(f"memory per device ({unit})")
         fig.tight_layout()
-        stem = path[:-4] if path.endswith(".png") else path
-        fig.savefig(f"{stem}_memory.png", dpi=100)
+        memory = f"{stem}_memory.png"
+        fig.savefig(memory, dpi=100)
         plt.close(fig)
+        return [path, memory]
 
 
 def _objective_value(sc, objective: str, M: int) -> float:
@@ -232,7 +262,7 @@ def _objective_value(sc, objective: str, M: int) -> float:
     return float(t.max()) if objective == "bottleneck" else float(t.sum() + (M - 1) * t.max())
 
 
-def _budget(value, what: str) -> float:
+def checked_budget(value, what: str) -> float:
     """The budget in bytes; a bad one named ("size must be > 0, got 0.0" said not which)."""
     try:
         return parse_bytes(value)
@@ -240,7 +270,7 @@ def _budget(value, what: str) -> float:
         raise ValueError(f"{what}={value!r}: {e}") from None
 
 
-def _checked_topology(topology, stages: int, data: int, v: int, who: str, flag: str):
+def checked_topology(topology, stages: int, data: int, v: int, who: str, flag: str):
     """`topology` (a spec string parsed) when it can carry `stages` x `data` devices without
     virtual stages (`v` per device), which the link model does not price yet; else a
     ValueError from `who` naming `flag`."""
@@ -313,8 +343,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: {how}{S} stages but only {L} layers; use "
                          + ("fewer virtual stages, " if v > 1 else "")
                          + "fewer pipeline stages or split the model into more layers.")
-    topology = _checked_topology(topology, S, data, v, "make_plan", "topology=")
-    budget = None if memory_budget is None else _budget(memory_budget, "make_plan: memory_budget")
+    topology = checked_topology(topology, S, data, v, "make_plan", "topology=")
+    budget = None if memory_budget is None else checked_budget(memory_budget, "make_plan: memory_budget")
     shard = dict(model=model, zero_shards=zero_shards)
     times = [local_cost(c, model) for c in costs]     # one device's share of each layer
     t = np.array([c.fwd_time + c.bwd_time for c in times])
@@ -417,75 +447,3 @@ def _engine_fields(hardware, times, cuts, sched, data: int) -> tuple[dict, float
                               devices * data)
     slots = engine.pop("compute_slots")
     return engine, (slots if math.isfinite(slots) else None)
-
-
-def plan_from_config(config, *, topology: str | Topology | None = None, memory_budget=None,
-                     stages: int | None = None, measure: bool = False, objective: str | None = None,
-                     hardware="stored"):
-    """Profiles the config's model on one microbatch and plans it: the library side of
-    scripts/plan.py. Reads config.model.{name,size,overrides}, config.mesh.{data,pipe,model},
-    config.train.zero,
-    config.pipeline.{schedule,num_microbatches,remat,memory_budget,boundaries},
-    config.train.batch_size. `memory_budget` (argument) overrides the config's, which is
-    used only with pipeline.remat="auto" (as `Pipeline` does). hardware: "stored" (this
-    device kind's stored calibration, `calibration.stored_hardware`, if any), a
-    `Hardware`, or None (no engine terms). Returns (plan, costs)."""
-    from jaxhybrid.models import get_model   # plan/ may use models, never pipeline/
-    from jaxhybrid.plan.costs import profile
-
-    def get(section, key, default=None):
-        sec = config.get(section, None) if hasattr(config, "get") else getattr(config, section, None)
-        if sec is None:
-            return default
-        val = sec.get(key, default) if hasattr(sec, "get") else getattr(sec, key, default)
-        return default if val is None else val
-
-    name = get("model", "name")
-    if not name:
-        raise ValueError("plan_from_config: config.model.name is missing; set it or pass --model.")
-    overrides = get("model", "overrides", {})
-    overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else overrides)
-    spec = get_model(name, size=get("model", "size", "tiny"), **overrides)
-    data, S = int(get("mesh", "data", 1)), int(stages or get("mesh", "pipe", 1))
-    if data < 1 or S < 1:
-        raise ValueError(f"plan_from_config: mesh data={data} x pipe={S} must both be >= 1 "
-                         f"(planning needs explicit sizes, not -1).")
-    M = int(get("pipeline", "num_microbatches", 1))
-    if M < 1:
-        raise ValueError(f"plan_from_config: pipeline.num_microbatches={M} must be >= 1.")
-    batch = int(get("train", "batch_size", M * data))
-    if batch % (data * M):
-        raise ValueError(f"plan_from_config: train.batch_size={batch} is not divisible by data={data} "
-                         f"x num_microbatches={M}; pick a batch size that is.")
-    remat = get("pipeline", "remat", "auto")
-    budget = memory_budget
-    if budget is None and remat == "auto":
-        budget = get("pipeline", "memory_budget")
-    cuts = get("pipeline", "boundaries")
-    schedule = get("pipeline", "schedule", "1f1b")
-    v = int(get("pipeline", "virtual_stages", 2)) if schedule == "interleaved" else 1
-    # What can be wrong without the costs is checked before profiling (minutes for a big
-    # model): the budget, the topology, the schedule, and stages against layers.
-    budget = None if budget is None else _budget(budget, "plan_from_config: memory_budget")
-    sched = make_schedule(schedule, S, M, **({"virtual_stages": v} if v > 1 else {}))
-    if cuts is not None and len(cuts) != sched.num_stages - 1:   # e.g. --stages changed
-        raise ValueError(f"plan_from_config: pipeline.boundaries={list(cuts)} gives "
-                         f"{len(cuts) + 1} stages, the plan has {sched.num_stages}; fix or "
-                         f"drop pipeline.boundaries (None: the planner's split).")
-    if sched.num_stages > len(spec.layers):
-        raise ValueError(f"plan_from_config: {sched.num_stages} stages but the model has only "
-                         f"{len(spec.layers)} layers; use fewer stages (--stages).")
-    topology = _checked_topology(topology, S, data, sched.virtual_stages, "plan_from_config",
-                                 "--topology")
-    inputs, _ = spec.sample_batch(batch // (data * M))
-    costs = profile(spec.layers, inputs, measure=measure)
-    if isinstance(hardware, str):
-        from jaxhybrid.plan.calibration import stored_hardware
-        hardware = stored_hardware()
-    model, zero = int(get("mesh", "model", 1)), int(get("train", "zero", 0))
-    plan = make_plan(costs, num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
-                     hardware=hardware, data=data, topology=topology, memory_budget=budget,
-                     model=model, zero_shards=data if zero else 1,
-                     objective=objective or get("pipeline", "objective", "bottleneck"),
-                     boundaries=None if cuts is None else [int(b) for b in cuts])
-    return plan, costs
