@@ -1,6 +1,7 @@
 """Evaluation and metric output of the training program: `evaluate` (metrics over the
 test split, padding rows masked, computed where the outputs are) and `MetricWriter`
-(workdir/metrics.jsonl, TensorBoard events and the log)."""
+(workdir/metrics.jsonl, TensorBoard events and the log), `ProfilerTrace` (config.profile:
+a jax profiler trace of some steps)."""
 from __future__ import annotations
 
 import functools
@@ -79,3 +80,33 @@ class MetricWriter:
 
     def close(self) -> None:
         self.tb.close()
+
+
+class ProfilerTrace:
+    """config.profile: a jax profiler trace of steps start_step .. start_step +
+    num_steps - 1 in workdir/profile; a resumed run traces what is left of them."""
+
+    def __init__(self, profile, workdir: pathlib.Path, first_step: int):
+        self.profile, self.workdir, self.tracing = profile, workdir, False
+        self.last = profile.start_step + profile.num_steps - 1
+        if profile.enabled and first_step > self.last:
+            logging.warning("profile: steps %d..%d ran before the restored step %d; no trace "
+                            "(set profile.start_step > %d)", profile.start_step, self.last,
+                            first_step - 1, first_step - 1)
+
+    def before(self, step: int) -> None:
+        if self.profile.enabled and not self.tracing and \
+                self.profile.start_step <= step <= self.last:
+            jax.profiler.start_trace(str(self.workdir / "profile"))
+            self.tracing = True
+
+    def after(self, step: int, state) -> None:
+        if self.tracing and step == self.last:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.tracing = False
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False

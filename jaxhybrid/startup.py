@@ -20,6 +20,7 @@ optimizer state, restore) and the first step itself.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import pathlib
@@ -143,3 +144,43 @@ class Phases:
         return (f"start-up: {', '.join(parts)}, other (imports, data, checkpoints) "
                 f"{other:.1f} s; process CPU {time.process_time():.1f} s; "
                 f"launch -> first step done {total:.1f} s")
+
+
+class LayerInit:
+    """`pipe.init_layers` on a second thread: `shapes()` (the variables' shapes, known
+    after tracing) and `result()` (the values) wait for their part."""
+
+    def __init__(self, pipe, rng, sample_inputs):
+        self._shapes, self._values = concurrent.futures.Future(), concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(pipe, rng, sample_inputs), daemon=True,
+                         name="layer-init").start()
+
+    def _run(self, pipe, rng, sample_inputs):
+        try:
+            self._shapes.set_result(pipe.init_layer_shapes(rng, sample_inputs))
+            self._values.set_result(jax.block_until_ready(pipe.init_layers(rng, sample_inputs)))
+        except BaseException as e:   # noqa: BLE001 (raised again by the waiting caller)
+            for future in (self._shapes, self._values):
+                if not future.done():
+                    future.set_exception(e)
+
+    def shapes(self) -> list[dict]:
+        return self._shapes.result()
+
+    def result(self) -> list[dict]:
+        return self._values.result()
+
+    def wait(self) -> None:
+        """Until the thread is done, whether it succeeded or failed."""
+        concurrent.futures.wait([self._values])
+
+
+def init_layers_in_background(pipe, rng, sample_inputs) -> LayerInit | None:
+    """`pipe.init_layers` on a second thread, started before planning: the layers'
+    initialiser needs no plan, and XLA compiles it (releasing the GIL) while the
+    planner traces and profiles the layers, on a core planning leaves idle. None where
+    `pipe.init` must do it (a split model: its splitter; a "model" axis: `init` also
+    learns which dimensions the layers split)."""
+    if pipe.splitter is not None or pipe.model > 1:
+        return None
+    return LayerInit(pipe, rng, sample_inputs)

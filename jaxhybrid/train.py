@@ -11,7 +11,6 @@ before any file in the workdir is written.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -20,7 +19,6 @@ import math
 import os
 import pathlib
 import shutil
-import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -32,7 +30,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxhybrid import checkpoint, data, distributed, startup
-from jaxhybrid.metrics import MetricWriter, evaluate
+from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
                              weight_decay_mask)
 from jaxhybrid.pipeline import async_weights
@@ -302,7 +300,7 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     initialise and restore: the phases of the start-up line."""
     t, pipe = config.train, run.pipe
     init_rng, train_rng = jax.random.split(jax.random.key(t.seed))
-    layer_init = _init_layers_in_background(pipe, init_rng, run.sample_inputs)
+    layer_init = startup.init_layers_in_background(pipe, init_rng, run.sample_inputs)
     train_step = masks = None
     try:
         with phases("plan", split_compile=False):
@@ -353,7 +351,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     return _Begun(run, state, masks, train_step, start, train_rng, ckpt)
 
 
-def _compile_while_initialising(run: Run, t, layer_init: "_LayerInit", phases, rng, ckpt, p):
+def _compile_while_initialising(run: Run, t, layer_init: startup.LayerInit, phases, rng,
+                                ckpt, p):
     """(The jitted step, the masks), the step compiled from the layers' shapes while the
     initialiser computes their values on the other thread. A checkpoint in the workdir
     that does not fit is refused first (it was found only after the compilation); a step
@@ -403,7 +402,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     from tqdm import tqdm
     bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
                disable=None if writer is not None else True)
-    trace = _ProfilerTrace(config.profile, workdir, b.start + 1)
+    trace = ProfilerTrace(config.profile, workdir, b.start + 1)
     try:
         for step in range(b.start + 1, t.steps + 1):
             trace.before(step)
@@ -461,78 +460,8 @@ def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
                else f"no checkpoint was saved in {ckpt.directory}."))
 
 
-class _ProfilerTrace:
-    """config.profile: a jax profiler trace of steps start_step .. start_step +
-    num_steps - 1 in workdir/profile; a resumed run traces what is left of them."""
-
-    def __init__(self, profile, workdir: pathlib.Path, first_step: int):
-        self.profile, self.workdir, self.tracing = profile, workdir, False
-        self.last = profile.start_step + profile.num_steps - 1
-        if profile.enabled and first_step > self.last:
-            logging.warning("profile: steps %d..%d ran before the restored step %d; no trace "
-                            "(set profile.start_step > %d)", profile.start_step, self.last,
-                            first_step - 1, first_step - 1)
-
-    def before(self, step: int) -> None:
-        if self.profile.enabled and not self.tracing and \
-                self.profile.start_step <= step <= self.last:
-            jax.profiler.start_trace(str(self.workdir / "profile"))
-            self.tracing = True
-
-    def after(self, step: int, state) -> None:
-        if self.tracing and step == self.last:
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-            self.tracing = False
-
-    def close(self) -> None:
-        if self.tracing:
-            jax.profiler.stop_trace()
-            self.tracing = False
-
-
 def _masks(pipe, t, variables=None) -> tuple:
     """(weight-decay mask, tied-copy norm weights) of `make_optimizer`; from the layers'
     shapes, except a split model's norm weights (they read `variables`)."""
     return (weight_decay_mask(pipe, variables) if t.weight_decay > 0 else None,
             norm_weights(pipe, variables))
-
-
-class _LayerInit:
-    """`pipe.init_layers` on a second thread: `shapes()` (the variables' shapes, known
-    after tracing) and `result()` (the values) wait for their part."""
-
-    def __init__(self, pipe, rng, sample_inputs):
-        self._shapes, self._values = concurrent.futures.Future(), concurrent.futures.Future()
-        threading.Thread(target=self._run, args=(pipe, rng, sample_inputs), daemon=True,
-                         name="layer-init").start()
-
-    def _run(self, pipe, rng, sample_inputs):
-        try:
-            self._shapes.set_result(pipe.init_layer_shapes(rng, sample_inputs))
-            self._values.set_result(jax.block_until_ready(pipe.init_layers(rng, sample_inputs)))
-        except BaseException as e:   # noqa: BLE001 (raised again by the waiting caller)
-            for future in (self._shapes, self._values):
-                if not future.done():
-                    future.set_exception(e)
-
-    def shapes(self) -> list[dict]:
-        return self._shapes.result()
-
-    def result(self) -> list[dict]:
-        return self._values.result()
-
-    def wait(self) -> None:
-        """Until the thread is done, whether it succeeded or failed."""
-        concurrent.futures.wait([self._values])
-
-
-def _init_layers_in_background(pipe, rng, sample_inputs) -> _LayerInit | None:
-    """`pipe.init_layers` on a second thread, started before planning: the layers'
-    initialiser needs no plan, and XLA compiles it (releasing the GIL) while the
-    planner traces and profiles the layers, on a core planning leaves idle. None where
-    `pipe.init` must do it (a split model: its splitter; a "model" axis: `init` also
-    learns which dimensions the layers split)."""
-    if pipe.splitter is not None or pipe.model > 1:
-        return None
-    return _LayerInit(pipe, rng, sample_inputs)

@@ -221,7 +221,7 @@ def test_train_initialises_the_layers_while_planning():
     mesh = jh.make_mesh(data=2, pipe=2)
     rng, x = jax.random.key(5), np.ones((8, 16), np.float32)
     pipe = jp.Pipeline(BLOCKS, mesh=mesh, num_microbatches=2)   # planner's boundaries
-    future = train._init_layers_in_background(pipe, rng, x)
+    future = startup.init_layers_in_background(pipe, rng, x)
     pipe.make_plan(x)
     pipe.set_layer_shapes(future.shapes())          # shapes first: what the step compiles for
     abstract = pipe.abstract_variables()
@@ -230,7 +230,7 @@ def test_train_initialises_the_layers_while_planning():
     placed = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree)
     assert placed(abstract) == placed(background)
     split = jp.Pipeline(Tower(), mesh=mesh, num_microbatches=2, sample_inputs=X)
-    assert train._init_layers_in_background(split, rng, X) is None
+    assert startup.init_layers_in_background(split, rng, X) is None
 
 
 @pytest.mark.parametrize("overrides", [

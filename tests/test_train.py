@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, data, models, optim, train
+from jaxhybrid import checkpoint, data, metrics, models, optim, train
 from jaxhybrid.config_flags import load_config
 
 # (data, pipe) -> num_microbatches and boundaries such that every layout splits a
@@ -205,13 +205,13 @@ def test_own_data_streams_replace_the_dataset(reference, tmp_path):
 def test_resumed_run_traces_what_is_left_of_the_profile_window(tmp_path, caplog):
     # Steps 2-3 traced; a run resumed at step 3 traces step 3, one resumed later none.
     profile = ml_collections.ConfigDict(dict(enabled=True, start_step=2, num_steps=2))
-    trace = train._ProfilerTrace(profile, tmp_path, first_step=3)
+    trace = metrics.ProfilerTrace(profile, tmp_path, first_step=3)
     for step in (3, 4):
         trace.before(step)
         assert trace.tracing == (step == 3)
         trace.after(step, None)
     assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
-    train._ProfilerTrace(profile, tmp_path / "late", first_step=5).before(5)
+    metrics.ProfilerTrace(profile, tmp_path / "late", first_step=5).before(5)
     assert not (tmp_path / "late").exists()
     assert "steps 2..3 ran before the restored step 4" in caplog.text
 
