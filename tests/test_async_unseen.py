@@ -243,6 +243,12 @@ def test_optimizers_train_step_cannot_run_are_refused():
         pipe.train_step(mse, optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau()))
     with pytest.raises(ValueError, match="does not act per element"):
         pipe.train_step(mse, optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)))
+    # The usual "no decay on biases" mask saw packed rows and decayed nothing, silently.
+    by_rank = optax.adamw(1e-2, weight_decay=0.5,
+                          mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p))
+    with pytest.raises(ValueError, match=r"acts by the parameters' shapes .*pipe.unpack\(grads\)"):
+        pipe.train_step(mse, by_rank)
+    pipe.train_step(mse, optax.adamw(1e-2, weight_decay=0.5))      # no mask: per element
     with pytest.raises(ValueError, match="zero=1 shards a synchronous"):
         jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
                     schedule="2bw", zero=1)

@@ -134,9 +134,13 @@ def check_per_element(optimizer, param_len: dict) -> None:
             u, state = optimizer.update(g, state, p)
             out.append(u)
         return out
+    as_2d = lambda tree: {k: v.reshape(2, 3) for k, v in tree.items()}
     try:
         whole = run(params, [g1, g2])
         parts = [run(half(params, h), [half(g1, h), half(g2, h)]) for h in (0, 1)]
+        # The same numbers as (2, 3) buffers: what reads the shapes (a mask such as
+        # `lambda p: tree.map(lambda a: a.ndim > 1, p)`) decided by the packed buffers'.
+        squares = run(as_2d(params), [as_2d(g1), as_2d(g2)])
     except TypeError as e:
         if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
             raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
@@ -147,6 +151,14 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return
     for step, u in enumerate(whole):
         for k in keys:
+            if not np.allclose(np.asarray(squares[step][k]).reshape(-1), np.asarray(u[k]),
+                               rtol=1e-4, atol=1e-6 * np.abs(np.asarray(u[k])).max()):
+                raise ValueError(
+                    "Pipeline: this optimizer acts by the parameters' shapes (e.g. a weight-"
+                    "decay mask like lambda p: jax.tree.map(lambda a: a.ndim > 1, p)): in "
+                    "train_step it sees packed buffers, not the model's shapes, and would "
+                    "silently decay all or nothing; use pipe.value_and_grad and apply it to "
+                    "pipe.unpack(grads) (per layer), or drop the mask.")
             got = np.concatenate([np.asarray(parts[0][step][k]), np.asarray(parts[1][step][k])])
             want = np.asarray(u[k])
             if not np.allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max()):
