@@ -150,8 +150,11 @@ def _make_async_train_step(run: Run, t):
     """The same step for an asynchronous schedule: the optimizer runs inside the
     pipeline (U tasks after each gradient window); grads are the mean of the
     microbatch gradients the call applied."""
-    step = run.pipe.train_step(run.spec.loss_fn,
-                               make_optimizer(t, updates_per_step=_updates_per_step(run.pipe)))
+    try:
+        step = run.pipe.train_step(
+            run.spec.loss_fn, make_optimizer(t, updates_per_step=_updates_per_step(run.pipe)))
+    except ValueError as e:       # e.g. a model whose pieces share variables
+        raise ConfigError(str(e)) from None
 
     def train_step(state, masks, inputs, targets, rng):   # masks unused: refused up front
         loss, grads, variables, opt_state = step(state["variables"], state["opt_state"],

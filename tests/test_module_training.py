@@ -180,3 +180,14 @@ def test_an_nnx_module_trains_from_a_config(tmp_path, monkeypatch):
     x, y = next(run.train_batches())
     want = np.mean([float(run.spec.loss_fn(model(x[i:i + 2]), y[i:i + 2])) for i in range(0, 8, 2)])
     np.testing.assert_allclose(records(tmp_path)[0]["train_loss"], want, rtol=2e-5)
+
+
+def test_asynchronous_schedule_of_a_tied_module_is_refused(tmp_path):
+    # Its pipeline updated each copy of the tied embedding with that copy's part of the
+    # gradient: the run trained, silently wrong.
+    config = module_config(**{"pipeline.schedule": "spectrain", "train.optimizer": "sgd",
+                              "train.grad_clip_norm": 0.0, "train.weight_decay": 0.0})
+    with pytest.raises(train.ConfigError, match=r"'spectrain' .*share variables") as e:
+        train.train_and_evaluate(config, tmp_path / "w")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w").exists()

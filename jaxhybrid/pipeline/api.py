@@ -120,6 +120,7 @@ class Pipeline(PipelineVariables):
                          else check_boundaries(boundaries, L, S), remat)
         if self.splitter is not None:
             self.value_and_grad = self.splitter.wrap_value_and_grad(self, self.value_and_grad)
+            self.train_step = self.splitter.wrap_train_step(self, self.train_step)
 
     def _set_layout(self, boundaries, remat) -> None:
         self.boundaries = list(boundaries)

@@ -5,7 +5,8 @@
 layers) and initialise the model's own variables; `pack` / `unpack` translate between
 the model's variable tree and per-piece dicts; `value_and_grad` is wrapped so that tied
 copies of a parameter receive the summed gradient and state copies follow their writer
-(`sync_packed`), and a loss_fn that cannot take the model's outputs fails with one line.
+(`sync_packed`), and a loss_fn that cannot take the model's outputs fails with one line;
+`train_step` of such a model applies its optimizer to those summed gradients.
 """
 from __future__ import annotations
 
@@ -102,6 +103,41 @@ class ModelSplitter:
             return tied_step
         return wrapped
 
+    def wrap_train_step(self, pipe, train_step):
+        """train_step of a model whose pieces share variables (tied embeddings, a module
+        used twice): its U tasks updated each copy with its own part of the gradient, and
+        the copies drifted apart, silently. A synchronous schedule now applies the
+        optimizer to value_and_grad's summed gradients after the step (what its U after
+        the last backward computes for an untied model); an asynchronous one is refused:
+        the sum would be a collective between stages inside the pipeline."""
+        @functools.wraps(train_step)
+        def wrapped(loss_fn, optimizer, **kwargs):
+            step = train_step(loss_fn, optimizer, **kwargs)     # its checks, up front
+            if not any(_groups(pipe, self.split, c)
+                       for c in ["params", *pipe.state_collections]):
+                return step
+            if pipe.schedule.weights != "sync":
+                raise ValueError(
+                    f"Pipeline: schedule {pipe.schedule.name!r} updates each stage's weights "
+                    f"inside the pipeline, but this model's pieces share variables (tied "
+                    f"weights or a module used twice) whose copies would drift apart; use a "
+                    f"synchronous schedule (e.g. '1f1b'), or untie them.")
+            value_and_grad, update = pipe.value_and_grad(loss_fn, **kwargs), {}
+
+            def tied_step(variables, opt_state, inputs, targets, rng=None):
+                loss, grads, new = value_and_grad(variables, inputs, targets, rng)
+                if not update:   # jitted once, keeping the buffers' and slots' placement
+                    shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
+                    update["f"] = jax.jit(functools.partial(_apply_optimizer, optimizer),
+                                          out_shardings=(shardings(variables["params"]),
+                                                         shardings(opt_state)))
+                params, opt_state = update["f"](grads, opt_state, variables["params"])
+                return loss, grads, {**new, "params": params}, opt_state
+
+            tied_step.lower = None
+            return tied_step
+        return wrapped
+
     def _check_loss(self, pipe, loss_fn, inputs, targets):
         n = pipe.data * pipe.num_microbatches
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
@@ -186,6 +222,11 @@ def _sync(bufs, groups, is_params: bool):
         for key, loc, _ in copies:
             _write(bufs, loc, total if key[1] is None else total[key[1]:key[2]])
     return bufs
+
+
+def _apply_optimizer(optimizer, grads, opt_state, params):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), opt_state
 
 
 def copy_weights(pipe, split: SplitModel, params: dict) -> dict | None:
