@@ -58,6 +58,25 @@ def test_zero_equals_replicated_update(schedule, data, pipe_size):
     assert all(n % data == 0 for k, n in pipe.param_len.items() if "#" not in k)
 
 
+@pytest.mark.parametrize("zero_level", [0, 1])
+def test_optimizer_state_is_made_where_the_step_keeps_it(zero_level):
+    # zero=0 made every slot whole on device 0 (zeros_like is a constant), and the step
+    # compiled a second time when its output slots came back sharded over "pipe".
+    pipe = _pipeline("1f1b", 2, 2, 2, zero_level)
+    variables = pipe.pack(mm.initial_per_layer())
+    tx = optax.adam(1e-3)
+    opt = pipe.init_optimizer(tx, variables)
+    inputs, labels = mm.make_batch(8, seed=10)
+    _, _, _, after = pipe.train_step(mm.loss_fn, tx)(variables, opt, inputs, labels, RNG)
+    for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(after)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        assert a.sharding.device_set == set(pipe.mesh.devices.flat)   # not device 0 alone
+    mu = opt[0].mu
+    for name, slot in mu.items():
+        assert slot.sharding.is_equivalent_to(
+            variables["params"][name].sharding, slot.ndim) or zero_level, name
+
+
 def test_zero_rejects_a_bad_level():
     with pytest.raises(ValueError, match="zero=2 must be 0"):
         _pipeline("1f1b", 2, 2, 2, 2)

@@ -389,10 +389,8 @@ class Pipeline(PipelineVariables):
         async_weights.check_per_element(optimizer, self.param_len)
         optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
                                                      self.num_microbatches)
-        if self.zero:
-            return async_weights.init_on_packed(lambda p: zero.init_optimizer(
-                optimizer, p, self.mesh, self.stage_spec), variables["params"])
-        return async_weights.init_on_packed(jax.jit(optimizer.init), variables["params"])
+        return async_weights.init_on_packed(lambda p: zero.init_optimizer(
+            optimizer, p, self.mesh, self.stage_spec, bool(self.zero)), variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
         """Returns f(variables, opt_state, inputs, targets, rng=None) -> (loss, grads,

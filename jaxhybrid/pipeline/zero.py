@@ -60,13 +60,17 @@ def opt_state_specs(opt_state: PyTree, zero: bool, stage: P = P(PIPE)) -> PyTree
     return jax.tree.map(lambda a: slot if jnp.ndim(a) else P(), opt_state)
 
 
-def init_optimizer(optimizer, params: dict, mesh, stage: P = P(PIPE)) -> PyTree:
-    """`optimizer.init` on the zero-padded packed parameters, each slot sharded
-    P("pipe", "data"): every device holds 1 / (pipe x data) of it."""
-    data = int(mesh.shape[DATA])
+def init_optimizer(optimizer, params: dict, mesh, stage: P = P(PIPE),
+                   zero: bool = True) -> PyTree:
+    """`optimizer.init` on the packed parameters, each slot placed as the step reads it
+    (`opt_state_specs`): like the stage buffers, and with `zero` zero-padded and also
+    over "data" (every device holds 1 / (pipe x data) of it). Placed here, not by jax: a
+    slot made by zeros_like is a constant that landed on device 0 whole, and the step
+    compiled twice (its output slots came back sharded)."""
+    data = int(mesh.shape[DATA]) if zero else 1
     init = lambda p: optimizer.init({k: _pad_last(v, data) for k, v in p.items()})
     abstract = jax.eval_shape(init, params)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), opt_state_specs(abstract, True, stage))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), opt_state_specs(abstract, zero, stage))
     return jax.jit(init, out_shardings=shardings)(params)
 
 
