@@ -634,6 +634,13 @@ def test_errors():
         pipe.pack({"params": native["params"]["Embed_0"]})
     with pytest.raises(ValueError, match="call pipe.init"):
         jp.Pipeline(model, mesh=mesh).pack(native)
+    # Piece counts before the split: boundaries were replaced by an even split silently,
+    # a plan or remat list refused against 256 stand-in pieces.
+    for option, named in [({"boundaries": [1, 2, 3]}, "boundaries"),
+                          ({"remat": [False] * 4}, "a remat list"),
+                          ({"boundaries": [1, 2, 3], "plan": object()}, "boundaries and plan")]:
+        with pytest.raises(ValueError, match=rf"Pipeline: {named} of a single model .*sample_inputs="):
+            jp.Pipeline(model, mesh=mesh, **option)
 
 
 # --- split quality ------------------------------------------------------------------

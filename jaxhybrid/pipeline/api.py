@@ -74,6 +74,14 @@ class Pipeline(PipelineVariables):
                  zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
         self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
+        if self.splitter is not None and self.splitter.split is None:
+            # Counted in pieces, known only once split: were checked against 256 stand-ins,
+            # and boundaries were then silently replaced by an even split.
+            given = [n for n, v in (("boundaries", boundaries), ("plan", plan)) if v is not None]
+            given += ["a remat list"] if isinstance(remat, (list, tuple)) else []
+            if given:
+                raise ValueError(f"Pipeline: {' and '.join(given)} of a single model count its "
+                                 f"pieces, known once it is split: pass sample_inputs= too.")
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
