@@ -17,8 +17,7 @@ from jaxhybrid.checks import is_int
 from jaxhybrid.layers import check_loss_fn, raw_key
 from jaxhybrid import distributed, tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
-from jaxhybrid.pipeline import (async_weights, layouts, model_shards, packing, programs, runtime,
-                                tables, zero)
+from jaxhybrid.pipeline import async_weights, layouts, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.arguments import (batch_size_of, check_plan_inputs, check_state_order,
                                          checked_mesh, checked_schedule, checked_zero, rng_hint)
 from jaxhybrid.pipeline.variables import PipelineVariables
@@ -74,14 +73,8 @@ class Pipeline(PipelineVariables):
                  zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
         self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
-        if self.splitter is not None and self.splitter.split is None:
-            # Counted in pieces, known only once split: were checked against 256 stand-ins,
-            # and boundaries were then silently replaced by an even split.
-            given = [n for n, v in (("boundaries", boundaries), ("plan", plan)) if v is not None]
-            given += ["a remat list"] if isinstance(remat, (list, tuple)) else []
-            if given:
-                raise ValueError(f"Pipeline: {' and '.join(given)} of a single model count its "
-                                 f"pieces, known once it is split: pass sample_inputs= too.")
+        if self.splitter is not None:
+            self.splitter.check_counted_options(boundaries, plan, remat)
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
             raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
@@ -196,18 +189,6 @@ class Pipeline(PipelineVariables):
         sd = self.schedule.stage_device
         return [[i for k in range(self.num_stages) if sd[k] == d for i in range(*self.ranges[k])]
                 for d in range(self.pipe_size)]
-
-    def _dims(self, i: int, c: str):
-        """Layer i's tree of dims split over "model" for collection c (None: none)."""
-        if self.model == 1 or self._split_dims is None:
-            return None
-        return self._split_dims[i].get(c)
-
-    def _model_shard(self, i: int, c: str, tree, j: int):
-        return model_shards.shard(tree, self._dims(i, c), self.model, j, f"layer {i}")
-
-    def _model_merge(self, i: int, c: str, shards: list):
-        return model_shards.merge(self._dims(i, c), shards)
 
     def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
         abstract = [{c: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
@@ -489,7 +470,6 @@ class Pipeline(PipelineVariables):
                              f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
                              f"shaped like pipe.init's sample_inputs{sample}, or pack "
                              f"variables made for these inputs.") from e
-
 
 
 _PROFILE_CACHE: dict = {}

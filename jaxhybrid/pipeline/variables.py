@@ -72,6 +72,18 @@ class PipelineVariables:
             self._init_program = jax.jit(functools.partial(_init_in_order, tuple(self.layers)))
         return self._init_program, jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs)
 
+    def _dims(self, i: int, c: str):
+        """Layer i's tree of dims split over "model" for collection c (None: none)."""
+        if self.model == 1 or self._split_dims is None:
+            return None
+        return self._split_dims[i].get(c)
+
+    def _model_shard(self, i: int, c: str, tree, j: int):
+        return model_shards.shard(tree, self._dims(i, c), self.model, j, f"layer {i}")
+
+    def _model_merge(self, i: int, c: str, shards: list):
+        return model_shards.merge(self._dims(i, c), shards)
+
     def _record_split_dims(self, i: int, layer: nn.Module, x: PyTree, x_local: PyTree) -> None:
         if self._split_dims is None:
             self._split_dims = [None] * len(self.layers)

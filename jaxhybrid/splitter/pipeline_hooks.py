@@ -57,6 +57,16 @@ class ModelSplitter:
         self.split = SplitModel(self.model, sample, call_kwargs=self.call_kwargs,
                                 min_pieces=num_stages)
 
+    def check_counted_options(self, boundaries, plan, remat) -> None:
+        """Options counted in pieces, known only once the model is split (with
+        sample_inputs=, or at init): before, they were checked against 256 stand-ins, and
+        boundaries were then silently replaced by an even split."""
+        given = [n for n, v in (("boundaries", boundaries), ("plan", plan)) if v is not None]
+        given += ["a remat list"] if isinstance(remat, (list, tuple)) else []
+        if self.split is None and given:
+            raise ValueError(f"Pipeline: {' and '.join(given)} of a single model count its "
+                             f"pieces, known once it is split: pass sample_inputs= too.")
+
     def attach(self, pipe) -> None:
         """Splits (once) at the pipeline's microbatch sample; pieces become pipe.layers."""
         if self.split is not None:
