@@ -348,6 +348,10 @@ def test_an_input_leaf_that_is_not_per_example_is_told_to_be_a_constant():
         pipe = jp.Pipeline(Tempered(), mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
         with pytest.raises(ValueError, match=r"same leading batch dimension.*call_kwargs="):
             pipe.init(jax.random.key(0), inputs)
+    # A nested Python list is a tree of scalars to jax: was "got ['None']", call_kwargs=.
+    with pytest.raises(ValueError, match=r"sample_inputs is a Python list of numbers; pass an "
+                                         r"array, e.g. np.asarray\(sample_inputs\)"):
+        pipe.init(jax.random.key(0), x.tolist())
 
 
 class VAE(nn.Module):

@@ -111,6 +111,11 @@ def batch_size_of(tree: PyTree, what: str) -> int:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         raise ValueError(f"Pipeline: {what} is empty.")
+    if isinstance(tree, (list, tuple)) and all(isinstance(l, (bool, int, float, complex))
+                                               for l in leaves):
+        # To jax a nested list is a tree of scalars: "got ['None']" named no fix.
+        raise ValueError(f"Pipeline: {what} is a Python list of numbers; pass an array, "
+                         f"e.g. np.asarray({what}).")
     batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
     if len(batch) != 1 or None in batch:
         raise ValueError(
