@@ -99,7 +99,8 @@ class SplitModel:
         if self.num_candidates + 1 < min_pieces:
             raise ValueError(f"Splitter: the model has only {self.num_candidates} possible cut "
                              f"points ({self.num_candidates + 1} pieces) but {min_pieces} stages "
-                             f"were asked for; use a mesh with pipe <= {self.num_candidates + 1}.")
+                             f"were asked for; use fewer stages: pipe (x virtual stages per "
+                             f"device) <= {self.num_candidates + 1}.")
         self.cuts = C.choose_cuts(t, self.max_pieces, min_pieces)
         self.num_pieces = n = len(self.cuts) + 1
         owners: dict = {}
