@@ -363,6 +363,12 @@ def test_bad_step_inputs_are_named():
     for rng in [3, jnp.ones(2), jax.random.split(jax.random.key(0), 3)]:
         with pytest.raises(ValueError, match="one PRNG key"):  # was "Cannot lower jaxpr"
             grad_fn(variables, X, Y, rng)
+    # Inputs committed to a device outside the mesh: jax's error named no fix.
+    elsewhere = jax.device_put(X, jax.devices()[5])
+    with pytest.raises(ValueError, match=r"outside the pipeline's mesh .*NamedSharding\(pipe.mesh"):
+        grad_fn(variables, elsewhere, Y)
+    with pytest.raises(ValueError, match=r"outside the pipeline's mesh"):
+        pipe.apply(variables, elsewhere)
 
 
 def test_bad_constructor_arguments_are_named():

@@ -470,6 +470,13 @@ class Pipeline(PipelineVariables):
                              f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
                              f"shaped like pipe.init's sample_inputs{sample}, or pack "
                              f"variables made for these inputs.") from e
+        except ValueError as e:
+            if "incompatible devices" not in str(e):
+                raise
+            raise ValueError(f"Pipeline: an argument is on devices outside the pipeline's "
+                             f"mesh ({str(e).splitlines()[0]}); pass numpy arrays, or place "
+                             f"them with jax.device_put(x, NamedSharding(pipe.mesh, "
+                             f"P('data'))).") from e
 
 
 _PROFILE_CACHE: dict = {}
