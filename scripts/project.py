@@ -198,10 +198,7 @@ def main(argv):
             out.pop("configs")
         print(json.dumps(out, indent=1, allow_nan=False))   # strict JSON: a NaN fails here
     else:
-        # Projection.table writes "crossover N = None" when hybrid never wins; say so.
-        print(proj.table().replace(
-            "crossover N = None", f"no crossover (hybrid wins at no N in "
-                                  f"{','.join(map(str, proj.devices))})"))
+        print(proj.table())
     if path:
         proj.plot(path)
         print(f"wrote {path}", file=sys.stderr)

@@ -217,6 +217,9 @@ def test_nothing_fits_says_why():
     assert full < need / 5 and "with every layer recomputed" in est.reason
     proj = hybrid.search(costs, h, STAT, devices=[2], per_worker_batch=1)
     assert "nothing fits of 2 configs; e.g. 1x2 M=1: needs" in proj.table()
+    # Its row and the at-scale line printed nan; "crossover N = None" said no crossover.
+    assert "nan" not in proj.table() and "None" not in proj.table()
+    assert "no crossover (hybrid wins at no N in 2)" in proj.table()
 
 
 def test_custom_hardware_checks():

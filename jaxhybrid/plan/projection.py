@@ -63,25 +63,30 @@ class Projection:
                 f"{self.stat.describe()}\n"
                 f"{'N':>6} | {'best DP':>14} {'step ms':>8} {'epochs':>7} {'hours':>8} | "
                 f"{'best hybrid':>15} {'step ms':>8} {'epochs':>7} {'hours':>8} | speedup")
+        def num(value, spec):   # "-" where nothing fits (it printed nan)
+            return "-" if value is None or not math.isfinite(value) else format(value, spec)
         lines = [head]
         for s in self.summary():
             dp, hy = s["dp"], s["hybrid"]
+            ms = lambda e: num(e and e.step_time * 1e3, ".2f")   # noqa: E731
+            ep = lambda e: num(e and e.epochs, ".1f")            # noqa: E731
             lines.append(
-                f"{s['devices']:>6} | {cfg(dp):>14} {dp.step_time * 1e3 if dp else math.nan:>8.2f} "
-                f"{dp.epochs if dp else math.nan:>7.1f} {hrs(dp):>8} | {cfg(hy):>15} "
-                f"{hy.step_time * 1e3 if hy else math.nan:>8.2f} "
-                f"{hy.epochs if hy else math.nan:>7.1f} {hrs(hy):>8} | {s['speedup']:.3f}")
+                f"{s['devices']:>6} | {cfg(dp):>14} {ms(dp):>8} {ep(dp):>7} {hrs(dp):>8} | "
+                f"{cfg(hy):>15} {ms(hy):>8} {ep(hy):>7} {hrs(hy):>8} | "
+                f"{num(s['speedup'], '.3f')}")
             if not dp and not hy:     # say why, from the config spread over most devices
                 tried = [r for r in self.rows if r.devices == s["devices"]]
                 r = max(tried, key=lambda r: (r.pipe * r.model, r.num_microbatches))
                 lines.append(f"{'':>6} | nothing fits of {len(tried)} configs; e.g. {cfg(r)}: "
                              f"{r.reason}")
         a = self.at_scale()
-        lines.append(f"crossover N = {self.crossover}; at scale: best DP {hrs(a['dp'])} h "
+        crossover = (f"crossover N = {self.crossover}" if self.crossover is not None else
+                     f"no crossover (hybrid wins at no N in {','.join(map(str, self.devices))})")
+        lines.append(f"{crossover}; at scale: best DP {hrs(a['dp'])} h "
                      f"({cfg(a['dp'])}, N={a['dp'].devices if a['dp'] else '-'}), best hybrid "
                      f"{hrs(a['hybrid'])} h ({cfg(a['hybrid'])}, N="
-                     f"{a['hybrid'].devices if a['hybrid'] else '-'}): speedup {a['speedup']:.3f} "
-                     f"({a['gain_percent']:+.1f}%)")
+                     f"{a['hybrid'].devices if a['hybrid'] else '-'}): speedup {num(a['speedup'], '.3f')} "
+                     f"({num(a['gain_percent'], '+.1f')}%)")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
