@@ -31,6 +31,9 @@ def _good(rows=GOOD, **kw):
     return _table("mine", 2, 2, (0, 1), rows, **kw)
 
 
+ONE_DEVICE_ASYNC = dict(num_devices=1, num_microbatches=3, stage_device=(0,), weights="stash")
+
+
 # --- refused tables -----------------------------------------------------------------------
 @pytest.mark.parametrize("rows,kw,msg", [
     # A negative tick indexed the runtime's table from its end: wrong loss and gradients.
@@ -50,6 +53,18 @@ def _good(rows=GOOD, **kw):
     # A synchronous U naming microbatch 0 passed once B0 was done: the update used the
     # gradient of microbatch 0 alone.
     ([*GOOD, (3, 0, U, 0, 0), (4, 1, U, 1, 0)], {}, "give them microbatch=-1"),
+    # Asynchronous tables on one device. Windows [0] and [1, 2]: each U applied 2/3 of its
+    # window's sum, not its mean, silently; a U naming microbatch -5: a KeyError.
+    ([(0, 0, F, 0, 0), (0, 0, B, 0, 0), (0, 0, U, 0, 0), (1, 0, F, 0, 1), (1, 0, B, 0, 1),
+      (2, 0, F, 0, 2), (2, 0, B, 0, 2), (2, 0, U, 0, 2)], ONE_DEVICE_ASYNC,
+     r"windows of one size.*ends \[0, 2\]; 2 updates of 3"),
+    ([(0, 0, F, 0, 0), (0, 0, B, 0, 0), (0, 0, U, 0, -5), (1, 0, F, 0, 1), (1, 0, B, 0, 1),
+      (2, 0, F, 0, 2), (2, 0, B, 0, 2), (2, 0, U, 0, 2)], ONE_DEVICE_ASYNC, "windows of one size"),
+    # B0 after the U closing its window [0, 1]: its gradient was never applied.
+    ([(0, 0, F, 0, 0), (1, 0, F, 0, 1), (1, 0, B, 0, 1), (1, 0, U, 0, 1), (2, 0, B, 0, 0),
+      (3, 0, F, 0, 2), (3, 0, B, 0, 2), (4, 0, F, 0, 3), (4, 0, B, 0, 3), (4, 0, U, 0, 3)],
+     {**ONE_DEVICE_ASYNC, "num_microbatches": 4},
+     r"U of device 0 at tick 1 before a backward of its gradient window \(microbatches 0\.\.1\)"),
 ])
 def test_broken_tables_are_refused_in_one_line(rows, kw, msg):
     args = dict(name="mine", num_devices=2, num_microbatches=2, stage_device=(0, 1),

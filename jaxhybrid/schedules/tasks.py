@@ -277,11 +277,13 @@ class Schedule:
             if kind == TaskType.U:   # updates every stage of its device
                 last, d = kinds[-1], self.stage_device[k]
                 mine = [j for j in range(K) if self.stage_device[j] == d]
-                # A step's U waits for every backward; an asynchronous U for that of
-                # the microbatch it names (the last of its gradient window).
-                upto = range(M) if m == IDLE else (m,)
+                # A step's U waits for every backward; an asynchronous U for those of
+                # its gradient window (a later one's gradient was never applied).
+                window = M // sum(u.kind == TaskType.U and u.device == d for u in self.tasks)
+                upto = range(M) if m == IDLE else range(m - window + 1, m + 1)
                 if any(when[(last, j, i)] > t for j in mine for i in upto):
-                    raise err(f"U of device {d} at tick {t} before its last backward")
+                    raise err(f"U of device {d} at tick {t} before a backward of its gradient "
+                              f"window (microbatches {upto.start}..{upto.stop - 1})")
 
     def _validate_fields(self, err) -> None:
         """Types and ranges of the fields (a negative or fractional tick indexed the
@@ -322,6 +324,13 @@ class Schedule:
                 raise err(f"weights={self.weights!r}: every device needs U tasks closing the "
                           f"same gradient windows, the last at microbatch {last} (device "
                           f"{bad}'s close {show(ends[bad])}, device 0's {show(ends[0])})")
+            # The engine scales every window's gradient sum by (updates / M): windows of
+            # unequal sizes got other than their mean gradient, silently.
+            n, w = len(ends[0]), self.num_microbatches // len(ends[0])
+            if self.num_microbatches % n or ends[0] != list(range(w - 1, last + 1, w)):
+                raise err(f"weights={self.weights!r}: the U tasks must close gradient windows "
+                          f"of one size, num_microbatches / updates (their ends {show(ends[0])}; "
+                          f"{n} updates of {self.num_microbatches} microbatches)")
             return
         if not updates:
             return
