@@ -43,6 +43,9 @@ def test_unit_parsers():
     assert parse_bandwidth("12GB/s") == 12e9
     assert parse_bandwidth("10Gb/s") == pytest.approx(1.25e9)
     assert parse_bandwidth(5.0) == 5.0
+    # The "ps" forms: B bytes, b bits ("100MBps" was read as bits, 8x too slow).
+    assert parse_bandwidth("100MBps") == 1e8 and parse_bandwidth("1GiBps") == 2.0 ** 30
+    assert parse_bandwidth("10Gbps") == parse_bandwidth("10gbps") == pytest.approx(1.25e9)
     assert parse_bytes("2GB") == 2e9 and parse_bytes("1.5GiB") == 1.5 * 2 ** 30 and parse_bytes(7) == 7
     assert parse_time("5us") == pytest.approx(5e-6)
     for bad, fn in (("12 furlongs", parse_bandwidth), ("2 potatoes", parse_bytes), ("-1GB", parse_bytes),

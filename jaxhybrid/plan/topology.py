@@ -32,8 +32,7 @@ DEFAULT_INTER_LATENCY = 20e-6   # s; InfiniBand/Ethernet-class
 DEFAULT_BANDWIDTH = {"gpu": 100e9, "tpu": 100e9, "cpu": 10e9}
 
 _RATE_UNITS = {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-               "kib/s": 2.0 ** 10, "mib/s": 2.0 ** 20, "gib/s": 2.0 ** 30, "tib/s": 2.0 ** 40,
-               "mbps": 1e6 / 8, "gbps": 1e9 / 8}
+               "kib/s": 2.0 ** 10, "mib/s": 2.0 ** 20, "gib/s": 2.0 ** 30, "tib/s": 2.0 ** 40}
 _BIT_RATE = {"Kb/s": 1e3 / 8, "Mb/s": 1e6 / 8, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8}
 _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2.0 ** 10, "mib": 2.0 ** 20, "gib": 2.0 ** 30, "tib": 2.0 ** 40}
@@ -53,18 +52,24 @@ def _is_number(value, what: str) -> bool:
 
 
 def parse_bandwidth(text: str | float) -> float:
-    """'12GB/s' -> 12e9 bytes/s; '10Gbps' / '10Gb/s' -> 1.25e9 (bits). Numbers pass through."""
+    """'12GB/s' / '12GBps' -> 12e9 bytes/s; '10Gbps' / '10Gb/s' -> 1.25e9 (bits). Numbers
+    pass through."""
     if _is_number(text, "bandwidth"):
         return _positive(float(text), "bandwidth")
     m = re.fullmatch(_NUM + r"([A-Za-z/]+)\s*", str(text))
     if m:
         unit = m.group(2)
-        # Case matters only to tell bits ("Gb/s") from bytes ("GB/s").
-        scale = _BIT_RATE.get(unit) or _RATE_UNITS.get(unit.lower())
+        # Case matters only to tell bits ("Gb/s") from bytes ("GB/s"); in the "ps" forms
+        # b is bits and B bytes ("100MBps" was read as bits, 8x too slow).
+        if unit.endswith("ps") and unit[-3:-2] in ("b", "B"):
+            per_byte = _RATE_UNITS.get(f"{unit[:-3].lower()}b/s")
+            scale = per_byte and per_byte / (8 if unit[-3] == "b" else 1)
+        else:
+            scale = _BIT_RATE.get(unit) or _RATE_UNITS.get(unit.lower())
         if scale:
             return _positive(float(m.group(1)) * scale, "bandwidth")
     raise ValueError(f"cannot read bandwidth {text!r}; write e.g. '12GB/s', '300GB/s', "
-                     f"'10Gbps' (units B/s KB/s MB/s GB/s TB/s, KiB/s..TiB/s, Mb/s Gb/s Gbps).")
+                     f"'10Gbps' (units B/s KB/s MB/s GB/s TB/s, KiB/s..TiB/s, Mb/s Gb/s; MBps bytes, Mbps bits).")
 
 
 def parse_bytes(text: str | float) -> float:
