@@ -25,7 +25,7 @@ from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
 from jaxhybrid.plan.step_model import StepTime, engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
-from jaxhybrid.schedules import SCHEDULES, make_schedule
+from jaxhybrid.schedules import SCHEDULES, Schedule, Task, TaskType, make_schedule
 
 
 @dataclasses.dataclass
@@ -53,7 +53,9 @@ class Plan:
     virtual_stages: int = 1                     # stages per device (num_stages = devices x v)
     schedule_options: dict | None = None        # the schedule builder's options
     # The task table itself (a user's Schedule has no builder to rebuild it from its
-    # name: `schedule_table` raised "unknown schedule"); not written by `to_json`.
+    # name: `schedule_table` raised "unknown schedule"); `to_json` writes it when the
+    # registered builder would not rebuild it (a user's table under a registered name
+    # came back as that builder's table, silently).
     table: Any = dataclasses.field(default=None, repr=False, compare=False)
     # The engine's costs on the hardware planned for (`make_plan(hardware=...)`, e.g. the
     # stored calibration of this device kind): seconds per device per tick, and how many
@@ -109,7 +111,8 @@ class Plan:
             return self.table
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan: schedule {self.schedule!r} is a user's Schedule, which "
-                             f"to_json does not store; set plan.table = that Schedule.")
+                             f"this plan does not hold (a JSON of an older version); set "
+                             f"plan.table = that Schedule.")
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
                              self.num_microbatches, **(self.schedule_options or {}))
 
@@ -179,8 +182,14 @@ class Plan:
         return self.summary()
 
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                           if f.name != "table"})
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "table"}
+        if self.table is not None and (self.schedule not in SCHEDULES or self.table != make_schedule(
+                self.schedule, self.num_stages // self.virtual_stages, self.num_microbatches,
+                **(self.schedule_options or {}))):
+            t = self.table
+            d["table"] = dict(dataclasses.asdict(t), tasks=[
+                (x.tick, x.device, int(x.kind), x.stage, x.microbatch) for x in t.tasks])
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
@@ -196,6 +205,12 @@ class Plan:
         if missing:   # was a TypeError from __init__
             raise ValueError(f"Plan.from_json: missing fields {missing}; is this a plan's "
                              f"to_json()?")
+        if d.get("table") is not None:
+            t = d["table"]
+            d["table"] = Schedule(**{**t, "stage_device": tuple(t["stage_device"]),
+                                     "options": tuple(map(tuple, t["options"])),
+                                     "tasks": tuple(Task(a, b, TaskType(k), c, m)
+                                                    for a, b, k, c, m in t["tasks"])})
         return cls(**d)
 
     def plot(self, path: str) -> list[str]:
