@@ -150,6 +150,29 @@ def test_stages_without_parameters_or_float_outputs_match_reference():
     _check_exact(layers, per_layer, lambda o, t: jnp.mean((o - t) ** 2), x, y, 1, 2, 2, "zbv")
 
 
+class WithScale(nn.Module):      # a scalar float leaf beside the batch
+    @nn.compact
+    def __call__(self, x):
+        return {"h": nn.Dense(4)(x), "scale": jnp.float32(0.5)}
+
+
+class DropsScale(nn.Module):     # its input gradient for the scalar is a literal zero
+    @nn.compact
+    def __call__(self, c):
+        return nn.Dense(3)(jnp.tanh(c["h"]))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_an_input_gradient_that_is_a_literal_zero_splits_its_backward(schedule):
+    # B/W split failed with "unhashable type: 'Literal'" (an NNX model's cut did this).
+    layers = [nn.Dense(5), WithScale(), DropsScale(), nn.Dense(3)]   # DropsScale starts a stage
+    x = np.random.RandomState(4).randn(8, 5).astype(np.float32)
+    y = np.random.RandomState(5).randn(8, 3).astype(np.float32)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1))
+    per_layer = pipe.unpack(pipe.init(jax.random.key(0), x))
+    _check_exact(layers, per_layer, lambda o, t: jnp.mean((o - t) ** 2), x, y, 1, 2, 2, schedule)
+
+
 # --- low precision: bf16 / f16 activations, a dtype change, int and bool leaves --------
 class LowIn(nn.Module):         # (features, positions) -> bf16 activations, ints, a bool
     @nn.compact

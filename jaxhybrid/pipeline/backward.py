@@ -193,8 +193,10 @@ class SplitBackward:
         self.crossing_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in crossing]
         # Which residual leaves W reads: the others are dead once B has run, so their
         # stash space can hold the crossing values (`packing.place_in_free_space`).
-        read_by = lambda eqns, outs: {v for e in eqns for v in e.invars
-                                      if not isinstance(v, jcore.Literal)} | set(outs)
+        # Literals are left out, the outputs' too (an input gradient that is a literal
+        # zero made this "unhashable type: 'Literal'").
+        read_by = lambda eqns, outs: {v for v in [*(v for e in eqns for v in e.invars), *outs]
+                                      if not isinstance(v, jcore.Literal)}
         w_reads = read_by(self._w_eqns, self._gp_out)
         b_reads = read_by(self._b_eqns, self._gx_out)
         res_vars = self._invars[n_p:n_p + len(res_avals)]
