@@ -216,3 +216,19 @@ def test_a_plain_layer_fed_a_split_activation_is_refused():
                         boundaries=[2], remat="none")   # no names at all: the same
     with pytest.raises(ValueError, match="Dense gets an input split over 'model'"):
         plain.init(jax.random.key(0), batch(2, 0)[0])
+
+
+def test_a_model_whose_output_stays_split_over_model_is_refused():
+    """A column-parallel head without its gather: loss_fn got each shard's half of the
+    logits (nan, or a finite wrong loss), and apply returned half the classes."""
+    class SplitHead(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(tp.local(16, "classes"))(tp.copy_to_model(x))
+
+    pipe = jp.Pipeline([Embed(), ColumnParallel(), RowParallel(), SplitHead()],
+                       mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    with pytest.raises(ValueError, match=r"last layer's output stays split over 'model' .*"
+                                         r"gather_from_model"):
+        pipe.init(jax.random.key(0), batch(2, 0)[0])

@@ -38,6 +38,13 @@ class PipelineVariables:
                 x = jax.eval_shape(init, jax.random.fold_in(rng, i), x)[1]
                 with tensor_parallel.degree(self.model):
                     x_local = tensor_parallel.eval_shape(init, jax.random.fold_in(rng, i), x_local)[1]
+            shape = lambda tree: jax.tree.map(np.shape, tree)
+            if shape(x) != shape(x_local):   # loss_fn got one shard's part: a wrong loss
+                raise ValueError(
+                    f"Pipeline: the last layer's output stays split over 'model' (per shard "
+                    f"{shape(x_local)}, whole {shape(x)}); join it in the last layer, e.g. "
+                    f"jaxhybrid.tensor_parallel.gather_from_model(y), so that loss_fn sees "
+                    f"whole outputs.")
         return self.pack(self.init_layers(rng, sample_inputs))
 
     def init_layers(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
