@@ -106,7 +106,7 @@ def check_batch(program: "BurstProgram", inputs, targets) -> None:
 
 def check_stacked(what: str, tree: PyTree, G: int) -> None:
     check_rows(what, tree, G, f"state is kept per device: pass burst.replicate(variables, "
-                              f"mesh) or burst.init_train_state(optimizer, variables, mesh).")
+                              "mesh) or burst.init_train_state(optimizer, variables, mesh).")
 
 
 def chunk_loss(program: "BurstProgram", y, t):
