@@ -105,7 +105,7 @@ def check_batch(program: "BurstProgram", inputs, targets) -> None:
 
 
 def check_stacked(what: str, tree: PyTree, G: int) -> None:
-    check_rows(what, tree, G, f"state is kept per device: pass burst.replicate(variables, "
+    check_rows(what, tree, G, "state is kept per device: pass burst.replicate(variables, "
                               "mesh) or burst.init_train_state(optimizer, variables, mesh).")
 
 
