@@ -403,6 +403,10 @@ def test_bad_constructor_arguments_are_named():
     assert make(boundaries=np.array([2])).boundaries == [2]
     with pytest.raises(ValueError, match="num_microbatches=True"):
         make(num_microbatches=True, boundaries=[2])
+    from flax import nnx        # a list of NNX layers: the message named linen only
+    nnx_layers = [nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1))]
+    with pytest.raises(ValueError, match=r"NNX layers go in one nnx.Module .*nnx.List"):
+        jp.Pipeline(nnx_layers, mesh=mesh)
     # Read in the constructor, not in init after every layer was profiled (compiled).
     with pytest.raises(ValueError, match="memory_budget='bogus'.*2GB"):
         make(remat="auto", memory_budget="bogus")

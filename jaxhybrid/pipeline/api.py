@@ -77,7 +77,9 @@ class Pipeline(PipelineVariables):
             self.splitter.check_counted_options(boundaries, plan, remat)
         self.layers = list(layers)
         if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
-            raise ValueError("Pipeline: layers must be a non-empty sequence of flax.linen Modules.")
+            raise ValueError("Pipeline: layers must be one model (linen or NNX) or a non-empty "
+                             "list of flax.linen Modules; NNX layers go in one nnx.Module "
+                             "(e.g. an nnx.List of them, called in order).")
         self.mesh = checked_mesh(mesh)
         # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
         self.model = int(dict(mesh.shape).get(MODEL, 1))
