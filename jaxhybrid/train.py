@@ -197,7 +197,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         lambda: _prepare_in(workdir, config, train_data, eval_data), ConfigError)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     fresh = not workdir.exists()
-    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+    try:
+        ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+    except OSError as e:   # where os.access says yes but mkdir fails (/proc, some mounts)
+        raise ConfigError(f"workdir: cannot create {workdir / 'checkpoints'} ({e.strerror or e}); "
+                          f"pass a --workdir this process can write to.") from None
     writer = begun = None
     try:
         _check_processes_see_one_checkpoint(ckpt)

@@ -201,6 +201,17 @@ def test_a_plan_over_the_memory_budget_leaves_no_workdir(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    # os.access can say yes where mkdir fails (/proc as root): orbax's traceback before.
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(checkpoint, "Checkpointer", refuse)
+    with pytest.raises(train.ConfigError, match=r"workdir: cannot create .*checkpoints "
+                                                r"\(Permission denied\); pass a --workdir") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path / "w")
+    assert "\n" not in str(e.value)
+
+
 def test_a_workdir_under_a_file_is_named_as_such(tmp_path):
     # Was "... is not writable (a read-only file system or no permission)".
     (tmp_path / "afile").write_text("")
