@@ -343,9 +343,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
         # A split model or a model axis (initialised here, not in the background): its
         # step compiles now, checked like the others (it compiled in the first step,
         # unchecked, and its time counted as the first record's steps_per_sec).
-        ckpt.check(pipe, state)
         train_step = _checked_step(run, t, state, masks, jax.random.fold_in(train_rng, 1),
-                                   config.pipeline)
+                                   config.pipeline, ckpt)
     start = 0
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(pipe, state)
@@ -371,14 +370,16 @@ def _compile_while_initialising(run: Run, t, layer_init: startup.LayerInit, phas
         run.pipe.set_layer_shapes(layer_shapes)
         masks = _masks(run.pipe, t)
         state = abstract_state(run.pipe, t, masks)   # built once: the check and the compile
-        ckpt.check(run.pipe, state)
-        train_step = _checked_step(run, t, state, masks, rng, p)
+        train_step = _checked_step(run, t, state, masks, rng, p, ckpt)
     return train_step, masks
 
 
-def _checked_step(run: Run, t, state, masks, rng, p):
+def _checked_step(run: Run, t, state, masks, rng, p, ckpt: checkpoint.Checkpointer):
     """The jitted step, compiled ahead for `state` (its shapes; values are not needed)
-    and refused if it cannot fit the device's memory (`check_step_memory`)."""
+    and refused if it cannot fit the device's memory (`check_step_memory`); a checkpoint
+    in the workdir that does not fit `state` is refused first (it was found only after
+    the compilation)."""
+    ckpt.check(run.pipe, state)
     train_step = make_train_step(run, t)
     if hasattr(train_step, "lower"):    # a jitted step (not one wrapped by a test)
         compiled = compile_ahead(run, train_step, state, masks, rng)

@@ -113,6 +113,10 @@ class Plan:
             raise ValueError(f"Plan: schedule {self.schedule!r} is a user's Schedule, which "
                              f"this plan does not hold (a JSON of an older version); set "
                              f"plan.table = that Schedule.")
+        return self._registered_table()
+
+    def _registered_table(self):
+        """What the builder registered under the schedule's name makes for this plan."""
         return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
                              self.num_microbatches, **(self.schedule_options or {}))
 
@@ -183,9 +187,8 @@ class Plan:
 
     def to_json(self) -> str:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "table"}
-        if self.table is not None and (self.schedule not in SCHEDULES or self.table != make_schedule(
-                self.schedule, self.num_stages // self.virtual_stages, self.num_microbatches,
-                **(self.schedule_options or {}))):
+        if self.table is not None and (self.schedule not in SCHEDULES
+                                       or self.table != self._registered_table()):
             t = self.table
             d["table"] = dict(dataclasses.asdict(t), tasks=[
                 (x.tick, x.device, int(x.kind), x.stage, x.microbatch) for x in t.tasks])

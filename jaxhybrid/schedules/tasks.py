@@ -259,6 +259,8 @@ class Schedule:
             raise err("a forward_only schedule runs F tasks only; drop its B / W / U "
                       "tasks or set forward_only=False")
         self._validate_updates(err)
+        updates_on = np.bincount([t.device for t in self.tasks if t.kind == TaskType.U],
+                                 minlength=D)
         for kind in kinds:
             for k in range(K):
                 for m in range(M):
@@ -279,7 +281,7 @@ class Schedule:
                 mine = [j for j in range(K) if self.stage_device[j] == d]
                 # A step's U waits for every backward; an asynchronous U for those of
                 # its gradient window (a later one's gradient was never applied).
-                window = M // sum(u.kind == TaskType.U and u.device == d for u in self.tasks)
+                window = M // updates_on[d]
                 upto = range(M) if m == IDLE else range(m - window + 1, m + 1)
                 if any(when[(last, j, i)] > t for j in mine for i in upto):
                     raise err(f"U of device {d} at tick {t} before a backward of its gradient "

@@ -235,8 +235,9 @@ def _sync(bufs, groups, is_params: bool):
 
 
 def _apply_optimizer(optimizer, grads, opt_state, params):
+    import optax
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), opt_state
+    return optax.apply_updates(params, updates), opt_state
 
 
 def copy_weights(pipe, split: SplitModel, params: dict) -> dict | None:
