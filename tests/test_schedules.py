@@ -129,6 +129,20 @@ def test_plot_writes_png(tmp_path):
         assert path.stat().st_size > 5000
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_plot_bars_stay_in_their_tick(name):
+    # A U task (drawn a tenth of an F wide) once ran into the next tick's bars: the
+    # ticks were as wide as their F/B/W work alone.
+    s = make_schedule(name, 4, 8)
+    if not any(t.kind == TaskType.U for t in s.tasks):
+        s = s.with_updates()
+    bars = s.gantt_bars(fwd_cost=[1.0, 2.0, 1.0, 1.5] * s.virtual_stages)
+    for d in range(s.num_devices):
+        row = sorted((b.start, b.start + b.length) for b in bars if b.device == d)
+        assert all(end <= nxt + 1e-9 for (_, end), (nxt, _) in zip(row, row[1:])), name
+    assert len(bars) == len(s.tasks)
+
+
 # --- control tables ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("S,M", [(2, 1), (4, 8), (3, 7)])

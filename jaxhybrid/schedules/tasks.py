@@ -368,12 +368,24 @@ class Schedule:
         """PNG Gantt chart, tick widths from the given per-stage costs (the one plotter:
         plans draw through it too)."""
         from jaxhybrid.schedules import gantt
-        cost = self.task_costs(fwd_cost, bwd_cost, weight_cost,
-                               0.1 * float(np.mean(fwd_cost)))   # U drawn thin
+        gantt.draw(path, self.gantt_bars(fwd_cost, bwd_cost, weight_cost), self.num_devices,
+                   width=min(40, max(6, self.num_ticks * 0.3)),
+                   xlabel="time (F blue, B orange, W green, U gray; later virtual stages lighter)",
+                   title=title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
+                                  f"M={self.num_microbatches}  bubble="
+                                  f"{self.bubble_fraction(fwd_cost, bwd_cost, weight_cost):.3f}")
+
+    def gantt_bars(self, fwd_cost=1.0, bwd_cost=2.0, weight_cost=None) -> list:
+        """`plot`'s bars: a device's tasks of one tick side by side; a tick as wide as its
+        busiest device's drawn tasks, U (drawn thin, a tenth of a mean F) included, so no
+        bar reaches into the next tick."""
+        from jaxhybrid.schedules import gantt
+        update_cost = 0.1 * float(np.mean(fwd_cost))
+        cost = self.task_costs(fwd_cost, bwd_cost, weight_cost, update_cost)
         color = {TaskType.F: "tab:blue", TaskType.B: "tab:orange", TaskType.W: "tab:green",
                  TaskType.U: "tab:gray"}
-        starts = np.concatenate([[0.0], np.cumsum(self.tick_times(fwd_cost, bwd_cost,
-                                                                  weight_cost))])
+        drawn = self.work(fwd_cost, bwd_cost, weight_cost, update_cost)
+        starts = np.concatenate([[0.0], np.cumsum(drawn.max(axis=1))])
         offset = np.zeros((self.num_ticks, self.num_devices))
         bars = []
         for t in sorted(self.tasks, key=lambda t: (t.tick, t.device, t.kind)):
@@ -383,11 +395,7 @@ class Schedule:
                                   else str(t.microbatch),
                                   alpha=1.0 if t.stage < self.num_devices else 0.65))
             offset[t.tick, t.device] += c
-        gantt.draw(path, bars, self.num_devices, width=min(40, max(6, self.num_ticks * 0.3)),
-                   xlabel="time (F blue, B orange, W green, U gray; later virtual stages lighter)",
-                   title=title or f"{self.name}  S={self.num_devices} v={self.virtual_stages} "
-                                  f"M={self.num_microbatches}  bubble="
-                                  f"{self.bubble_fraction(fwd_cost, bwd_cost, weight_cost):.3f}")
+        return bars
 
 
 def _colour(intervals: list, strict: bool) -> tuple[dict, int]:
