@@ -60,7 +60,7 @@ def pipeline_optimizer(optimizer, sched, num_microbatches: int):
 def _predicted(weights: dict, opt_state, s) -> dict:
     """W + s u (u: the last update; s = 0 gives W exactly)."""
     u = opt_state.last_update
-    return {n: w + s.astype(w.dtype) * u[n] if jnp.issubdtype(w.dtype, jnp.floating) else w
+    return {n: w + s.astype(w.dtype) * u[n] if jnp.issubdtype(w.dtype, jnp.inexact) else w
             for n, w in weights.items()}
 
 

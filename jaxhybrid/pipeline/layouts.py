@@ -16,7 +16,8 @@ from jax.extend import core as jcore
 from jaxhybrid import tensor_parallel
 from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
-from jaxhybrid.pipeline.stages import merge_float, microbatch_loss, split_float
+from jaxhybrid.pipeline.stages import (differentiable, merge_float, microbatch_loss,
+                                       split_float)
 
 if TYPE_CHECKING:   # the executor imports this module
     from jaxhybrid.pipeline.runtime import Engine, Stage
@@ -93,7 +94,7 @@ class StageLayouts:
 
 
 def floats(tree: PyTree) -> list:
-    return [l for l in jax.tree.leaves(tree) if jnp.issubdtype(l.dtype, jnp.floating)]
+    return [l for l in jax.tree.leaves(tree) if differentiable(l.dtype)]
 
 
 # --- one stage's forward and backward ---------------------------------------------------

@@ -39,7 +39,7 @@ from jax import lax
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import async_weights, packing, zero
 from jaxhybrid.pipeline.layouts import StageLayouts, backward_fn
-from jaxhybrid.pipeline.stages import merge_float
+from jaxhybrid.pipeline.stages import differentiable, merge_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
 from jaxhybrid.schedules import TaskType
 
@@ -158,7 +158,7 @@ def forward_branch(job: Job, k: int):
                                  for c in stage.state}}
         if k == K - 1:
             return packing.zeros(lay.act_len), res, st_bufs, out
-        mask = [jnp.issubdtype(d, jnp.floating) for d in lay.act[k + 1].dtypes]
+        mask = [differentiable(d) for d in lay.act[k + 1].dtypes]
         y = merge_float(jax.tree.structure([0] * len(mask)), mask, out, yi)
         return packing.pack(lay.act[k + 1], y, lay.act_len), res, st_bufs, jnp.float32(0)
     return run

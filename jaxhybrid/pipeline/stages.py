@@ -67,8 +67,15 @@ class StageProgram:
         return run(params, state, x, rng)
 
 
+def differentiable(dtype) -> bool:
+    """Whether values of `dtype` carry gradients: floating and complex ones. (Complex
+    activations once counted as constants: everything before a complex value crossing a
+    cut got a zero gradient, silently.)"""
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
 def is_float(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
+    return differentiable(x.dtype)
 
 
 def split_float(tree: PyTree) -> tuple[list, list, list]:

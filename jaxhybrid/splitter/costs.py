@@ -27,7 +27,7 @@ from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_tim
 
 
 def _is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.floating)
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -59,7 +59,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                 full = list(vals)
                 for n, v in zip(_diff, d):
                     full[n] = v
-                return [y for y in _fwd(*full) if jnp.issubdtype(y.dtype, jnp.floating)]
+                return [y for y in _fwd(*full) if jnp.issubdtype(y.dtype, jnp.inexact)]
             ys, pull = jax.vjp(f, *[vals[n] for n in _diff])
             return pull([jnp.ones_like(y) for y in ys])
 

@@ -1,0 +1,94 @@
+"""Flax and JAX features of researchers' models that once failed in the pipeline (a
+fourth probe, 2026-11-27), each against the plain model on one device: complex values
+(FFT mixing, state-space models), sown collections, typed PRNG keys in stashed values,
+flax's counter pattern, sharding constraints inside the model, and the messages for
+inputs the pipeline cannot microbatch."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from test_splitter import _close, mse
+
+B, D = 8, 4
+
+
+def _batch():
+    return (jax.random.normal(jax.random.key(0), (B, D)),
+            jax.random.normal(jax.random.key(1), (B, D)))
+
+
+def _microbatch_reference(model, variables, x, t, M):
+    """Mean over M microbatches of mse(model.apply(...)) and its parameter gradients."""
+    def total(p):
+        xs, ts = jnp.split(x, M), jnp.split(t, M)
+        return sum(mse(model.apply({**variables, "params": p}, a), b)
+                   for a, b in zip(xs, ts)) / M
+    return jax.value_and_grad(total)(variables["params"])
+
+
+# --- complex values ------------------------------------------------------------------
+class ComplexCut(nn.Module):
+    """A complex activation crosses the cut (FFT mixing, complex state-space states)."""
+    @nn.compact
+    def __call__(self, x):
+        z = jnp.exp(1j * nn.Dense(D)(x).astype(jnp.complex64))
+        z = jp.stage_boundary(z)
+        z = jnp.fft.fft(z, axis=-1)
+        return nn.Dense(D)(jnp.real(z) * 2 + jnp.imag(z))
+
+
+class ComplexParams(nn.Module):
+    """A complex64 kernel in the second stage, a real one in the first."""
+    @nn.compact
+    def __call__(self, x):
+        h = jp.stage_boundary(jnp.tanh(nn.Dense(D)(x)))
+        w = self.param("w", nn.initializers.normal(1.0, jnp.complex64), (D, D), jnp.complex64)
+        return jnp.abs(h.astype(jnp.complex64) @ w)
+
+
+@pytest.mark.parametrize("model,schedule,data", [(ComplexCut(), "1f1b", 1),
+                                                 (ComplexCut(), "zb-h1", 2),
+                                                 (ComplexParams(), "gpipe", 1)])
+def test_complex_values_carry_gradients_across_cuts(model, schedule, data):
+    # Complex leaves were filed as non-differentiable: every parameter before a complex
+    # value crossing a cut got a zero gradient, with loss and apply exact.
+    x, t = _batch()
+    variables = model.init(jax.random.key(2), x)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=data, pipe=2), num_microbatches=2,
+                       schedule=schedule)
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack(variables)
+    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
+    want_loss, want = _microbatch_reference(model, variables, x, t, 2 * data)
+    got = pipe.unpack({**packed, "params": grads})["params"]
+    assert float(np.abs(jax.tree.leaves(got)[0]).max()) > 0
+    _close(loss, want_loss, "loss")
+    _close(got, want, "gradients")
+
+
+def test_complex_activation_between_listed_layers():
+    class ToComplex(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.exp(1j * nn.Dense(D)(x).astype(jnp.complex64))
+
+    class ToReal(nn.Module):
+        @nn.compact
+        def __call__(self, z):
+            return nn.Dense(D)(jnp.real(z) * 2 + jnp.imag(z))
+
+    x, t = _batch()
+    layers = [ToComplex(), ToReal()]
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
+    variables = pipe.init(jax.random.key(1), x)
+    loss, grads, _ = pipe.value_and_grad(mse)(variables, x, t)
+    want_loss, want, _ = jp.reference_value_and_grad(layers, pipe.unpack(variables), mse, x, t,
+                                                     num_microbatches=2)
+    got = pipe.unpack({**variables, "params": grads})
+    assert float(np.abs(got[0]["params"]["Dense_0"]["kernel"]).max()) > 0
+    _close(loss, want_loss, "loss")
+    _close([g["params"] for g in got], want, "gradients")
