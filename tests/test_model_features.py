@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
-from test_splitter import _close, mse
+from test_splitter import _close, _nnx_reference, mse
 
 B, D = 8, 4
 
@@ -92,3 +94,47 @@ def test_complex_activation_between_listed_layers():
     assert float(np.abs(got[0]["params"]["Dense_0"]["kernel"]).max()) > 0
     _close(loss, want_loss, "loss")
     _close([g["params"] for g in got], want, "gradients")
+
+
+# --- typed PRNG keys in the stash ----------------------------------------------------
+class RematScan(nnx.Module):
+    """nnx.scan over nnx.remat'd blocks with Dropout: the backward's saved values hold
+    the blocks' typed dropout keys."""
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+        self.blocks = make(rngs)
+        self.out = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(block, h):
+            return block(h)
+        return self.out(body(self.blocks, x))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(D, D, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.drop(nnx.gelu(self.dense(h)))
+
+
+def test_rematerialised_dropout_keys_are_stashed():
+    # Packing the stash refused the typed keys: "canonicalize_dtype called on extended
+    # dtype key<fry>" from value_and_grad.
+    x, t = _batch()
+    rng = jax.random.key(4)
+    pipe = jp.Pipeline(RematScan(nnx.Rngs(0)), mesh=jh.make_mesh(data=1, pipe=2),
+                       num_microbatches=2)
+    variables = pipe.init(jax.random.key(1), x)
+    loss, grads, _ = pipe.value_and_grad(mse)(variables, x, t, rng)
+    want_loss, want, _ = _nnx_reference(RematScan(nnx.Rngs(0)), x, t, 1, 2, rng=rng)
+    got = nnx.filter_state(pipe.unpack({**variables, "params": grads}), nnx.Param)
+    _close(loss, want_loss, "loss")
+    _close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), "gradients")

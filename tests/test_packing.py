@@ -120,3 +120,27 @@ def test_place_in_free_space_uses_dead_leaves_and_padding_then_spills():
     _, spilled = packing.place_in_free_space(row, lengths, [False, False, False],
                                              [jax.ShapeDtypeStruct((3,), jnp.int32)])
     assert spilled == [0]
+
+
+def test_typed_prng_keys_round_trip_as_their_data():
+    # A stashed residual of a rematerialised dropout (nnx.remat in nnx.scan) is a typed
+    # key; canonicalize_dtype refused it ("called on extended dtype key<fry>").
+    keys = jax.random.split(jax.random.key(5), 3)
+    trees = [{"k": keys, "x": jnp.arange(4.0)}, {"k": keys[:2], "x": jnp.ones(2)}]
+    layouts, lengths = packing.shared_layouts(trees)
+    assert set(lengths) == {"float32", "uint32"} and lengths["uint32"] == 6
+    for tree, lay in zip(trees, layouts):
+        back = packing.unpack(lay, packing.pack(lay, tree, lengths))
+        assert back["k"].dtype == keys.dtype
+        np.testing.assert_array_equal(jax.random.key_data(back["k"]),
+                                      jax.random.key_data(tree["k"]))
+        np.testing.assert_array_equal(back["x"], tree["x"])
+        host = packing.unpack_numpy(lay, packing.pack_numpy(lay, tree, lengths))
+        np.testing.assert_array_equal(jax.random.key_data(host["k"]),
+                                      jax.random.key_data(tree["k"]))
+    row = packing.pack_into(layouts[1], {"k": keys[1:], "x": jnp.zeros(2)}, packing.zeros(lengths))
+    np.testing.assert_array_equal(jax.random.key_data(packing.unpack(layouts[1], row)["k"]),
+                                  jax.random.key_data(keys[1:]))
+    placed, spilled = packing.place_in_free_space(layouts[0], lengths, [False, True],
+                                                  [jax.ShapeDtypeStruct((2,), keys.dtype)])
+    assert spilled == [] and placed.key_impls and placed.shapes == ((2, 2),)

@@ -36,15 +36,36 @@ Buffers = dict  # {buffer key: array whose last axis is the packed axis}
 WHOLE_MIN = 4096
 
 
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _dtype_name(dtype) -> str:
     # The dtype jax stores it in: a numpy int64 or float64 leaf (e.g. a Python number
-    # a Variable holds) packs into an int32 or float32 buffer unless x64 is on.
+    # a Variable holds) packs into an int32 or float32 buffer unless x64 is on. A typed
+    # PRNG key is stored as its key data (uint32).
+    if _is_key(dtype):
+        return "uint32"
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
+
+
+def _stored_shape(leaf) -> tuple:
+    """The shape a leaf is stored in: a typed key's data has the impl's trailing axes."""
+    if _is_key(leaf.dtype):
+        return (*leaf.shape, *leaf.dtype._impl.key_shape)
+    return tuple(leaf.shape)
+
+
+def _key_impls(leaves) -> tuple:
+    """((leaf index, key impl), ...) of the typed PRNG keys among `leaves`: a residual of
+    a rematerialised dropout (nnx.remat in nnx.scan) is one, and canonicalize_dtype
+    refused it."""
+    return tuple((i, l.dtype._impl) for i, l in enumerate(leaves) if _is_key(l.dtype))
 
 
 def _signature(leaf) -> tuple[str, int]:
     """(dtype name, number of elements): what decides which buffers a leaf can share."""
-    return _dtype_name(leaf.dtype), math.prod(leaf.shape)
+    return _dtype_name(leaf.dtype), math.prod(_stored_shape(leaf))
 
 
 def dtype_of(key: str) -> str:
@@ -61,6 +82,7 @@ class Layout:
     keys: tuple            # buffer key per leaf
     offsets: tuple         # offset of each leaf inside its buffer
     sizes: tuple           # ((buffer key, elements used), ...) sorted by key
+    key_impls: tuple = ()  # ((leaf index, PRNG impl), ...): typed keys, stored as data
 
     @property
     def size_of(self) -> dict:
@@ -141,12 +163,13 @@ def shared_layouts(trees: Sequence[PyTree], whole_min: int | None = WHOLE_MIN
                 rest[dn[0]] += dn[1]
         sizes = collections.Counter()
         for key, leaf in zip(keys, leaves):
-            sizes[key] += math.prod(leaf.shape)
+            sizes[key] += math.prod(_stored_shape(leaf))
         for dtype, n in rest.items():
             rest_len[dtype] = max(rest_len[dtype], n)
-        layouts.append(Layout(treedef, tuple(tuple(l.shape) for l in leaves),
+        layouts.append(Layout(treedef, tuple(_stored_shape(l) for l in leaves),
                               tuple(_dtype_name(l.dtype) for l in leaves), tuple(keys),
-                              tuple(offsets), tuple(sorted(sizes.items()))))
+                              tuple(offsets), tuple(sorted(sizes.items())),
+                              _key_impls(leaves)))
     lengths.update({d: n for d, n in rest_len.items() if n})
     return layouts, dict(sorted(lengths.items()))
 
@@ -170,7 +193,7 @@ def _whole(layout: Layout, i: int, length: int) -> bool:
 def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> Buffers:
     """Packs a pytree (or the list of its flat leaves) into {key: 1-D array of
     lengths[key]}, zero padded."""
-    leaves = jax.tree.leaves(tree)
+    leaves = _key_data(layout, jax.tree.leaves(tree))
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
     _check_fits(layout, lengths)
@@ -192,6 +215,15 @@ def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> Buffers:
     return out
 
 
+def _key_data(layout: Layout, leaves: list) -> list:
+    if not layout.key_impls:
+        return leaves
+    leaves = list(leaves)
+    for i, _ in layout.key_impls:
+        leaves[i] = jax.random.key_data(leaves[i])
+    return leaves
+
+
 def unpack_leaves(layout: Layout, buffers: Mapping[str, jax.Array]) -> list:
     """Inverse of `pack`: the flat leaves of the layout's pytree."""
     leaves = []
@@ -202,6 +234,8 @@ def unpack_leaves(layout: Layout, buffers: Mapping[str, jax.Array]) -> list:
         if not _whole(layout, i, buf.shape[-1]):
             buf = jax.lax.slice_in_dim(buf, off, off + n, axis=-1)
         leaves.append(jnp.reshape(buf, (*buf.shape[:-1], *shape)))
+    for i, impl in layout.key_impls:
+        leaves[i] = jax.random.wrap_key_data(leaves[i], impl=impl)
     return leaves
 
 
@@ -215,12 +249,14 @@ def unpack_numpy(layout: Layout, buffers: Mapping[str, np.ndarray]) -> PyTree:
     for shape, key, off in zip(layout.shapes, layout.keys, layout.offsets):
         n = math.prod(shape)
         leaves.append(np.asarray(buffers[key][off:off + n]).reshape(shape))
+    for i, impl in layout.key_impls:
+        leaves[i] = jax.random.wrap_key_data(leaves[i], impl=impl)
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
 def pack_numpy(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> dict:
     """Host-side `pack` (numpy in, numpy out)."""
-    leaves = jax.tree.leaves(tree)
+    leaves = _key_data(layout, jax.tree.leaves(tree))
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
     _check_fits(layout, lengths)
@@ -240,7 +276,7 @@ def zeros(lengths: Mapping[str, int], lead: Sequence[int] = ()) -> Buffers:
 def pack_into(layout: Layout, tree: PyTree, buffers: Buffers) -> Buffers:
     """Writes a pytree's leaves into existing buffers at the layout's places (the other
     contents stay): how one of a device's several stages updates its part."""
-    leaves = jax.tree.leaves(tree)
+    leaves = _key_data(layout, jax.tree.leaves(tree))
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
     out = dict(buffers)
@@ -270,7 +306,7 @@ def place_in_free_space(layout: Layout, lengths: Mapping[str, int], live: Sequen
     where, overflow = {}, []
     order = sorted(range(len(avals)), key=lambda i: -math.prod(avals[i].shape))
     for i in order:
-        n, dtype = math.prod(avals[i].shape), _dtype_name(avals[i].dtype)
+        n, dtype = math.prod(_stored_shape(avals[i])), _dtype_name(avals[i].dtype)
         keys = [k for k in free if dtype_of(k) == dtype]
         exact = [k for k in keys if free[k] == [(0, n)] and lengths[k] == n]
         fits = exact or [k for k in keys if any(b - a >= n for a, b in free[k])]
@@ -285,12 +321,13 @@ def place_in_free_space(layout: Layout, lengths: Mapping[str, int], live: Sequen
     placed = [i for i in range(len(avals)) if i in where]
     sizes = collections.Counter()
     for i in placed:
-        sizes[where[i][0]] += math.prod(avals[i].shape)
+        sizes[where[i][0]] += math.prod(_stored_shape(avals[i]))
     return Layout(jax.tree.structure([0] * len(placed)),
-                  tuple(tuple(avals[i].shape) for i in placed),
+                  tuple(_stored_shape(avals[i]) for i in placed),
                   tuple(_dtype_name(avals[i].dtype) for i in placed),
                   tuple(where[i][0] for i in placed), tuple(where[i][1] for i in placed),
-                  tuple(sorted(sizes.items()))), sorted(overflow)
+                  tuple(sorted(sizes.items())),
+                  _key_impls([avals[i] for i in placed])), sorted(overflow)
 
 
 def split_layout(layout: Layout, trees: Sequence[PyTree]) -> list[Layout]:
@@ -305,7 +342,9 @@ def split_layout(layout: Layout, trees: Sequence[PyTree]) -> list[Layout]:
         for key, shape in zip(keys, layout.shapes[start:end]):
             sizes[key] += math.prod(shape)
         out.append(Layout(treedef, layout.shapes[start:end], layout.dtypes[start:end], keys,
-                          layout.offsets[start:end], tuple(sorted(sizes.items()))))
+                          layout.offsets[start:end], tuple(sorted(sizes.items())),
+                          tuple((i - start, impl) for i, impl in layout.key_impls
+                                if start <= i < end)))
         start = end
     return out
 
