@@ -138,3 +138,30 @@ def test_rematerialised_dropout_keys_are_stashed():
     got = nnx.filter_state(pipe.unpack({**variables, "params": grads}), nnx.Param)
     _close(loss, want_loss, "loss")
     _close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), "gradients")
+
+
+# --- sown collections ----------------------------------------------------------------
+class SowsALoss(nn.Module):
+    """`self.sow` into a collection model.init keeps ("losses", not "intermediates")."""
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(16)(x))
+        self.sow("losses", "aux", jnp.mean(h ** 2))
+        return nn.Dense(D)(jnp.tanh(nn.Dense(16)(h)))
+
+
+def test_a_sown_collection_holds_the_last_microbatchs_value():
+    # sow appends to the tuple it is given: the new value came second and the pipeline
+    # returned the old one (whatever was packed) as the new state, silently.
+    x, t = _batch()
+    model = SowsALoss()
+    variables = model.init(jax.random.key(2), x)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack({**variables, "losses": {"aux": (jnp.float32(123.0),)}})
+    loss, grads, new = pipe.value_and_grad(mse)(packed, x, t)
+    _, sown = model.apply({"params": variables["params"]}, x[B // 2:], mutable=["losses"])
+    _close(pipe.unpack(new)["losses"], sown["losses"], "sown value")
+    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
+    _close(loss, want_loss, "loss")
+    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")

@@ -68,6 +68,7 @@ class Adapter:
     rng_leaves: list = None   # NNX: (leaf index, "key" | "count")
     graphdef: Any = None
     paths: list = None        # tree path per leaf
+    sown: set | None = None   # linen: the collections the model sows into (found once)
 
     # --- the variable tree ----------------------------------------------------------
     def leaves(self, tree, what: str = "variables") -> list:
@@ -141,13 +142,31 @@ class Adapter:
         state_colls = sorted(set(self.colls) - {"params"})
         rngs = {"dropout": key} if key is not None else {}
         if train and state_colls:
-            y, new = self.model.apply(variables, x, rngs=rngs, mutable=state_colls, **kw)
+            # A collection the model sows into (`self.sow`, which model.init keeps) is
+            # left out of the call: sow appends to what it is given, so its new value
+            # sat behind the old one and the old one came back as the "new" state. Left
+            # out, the call sows afresh, as model.init did.
+            sown = self._sown_collections(variables, x, rngs, state_colls, kw)
+            given = {c: v for c, v in variables.items() if c not in sown}
+            y, new = self.model.apply(given, x, rngs=rngs, mutable=state_colls, **kw)
             by_path = {_path_name(p): v for p, v in
                        jax.tree_util.tree_flatten_with_path(nn.meta.unbox(dict(new)))[0]}
             state = [by_path.get(_path_name(self.paths[i]), leaves[i]) for i in self.state_leaves]
             return y, state
         y = self.model.apply(variables, x, rngs=rngs, **kw)
         return y, [leaves[i] for i in self.state_leaves]
+
+    def _sown_collections(self, variables, x, rngs, state_colls, kw) -> set:
+        """The state collections whose tree the training call changes (sow appends);
+        found once, by an abstract call."""
+        if self.sown is not None:
+            return self.sown
+        _, new = jax.eval_shape(lambda v, x: self.model.apply(
+            v, x, rngs=rngs, mutable=state_colls, **kw), variables, x)
+        new = nn.meta.unbox(dict(new))
+        self.sown = {c for c in state_colls if jax.tree.structure(new.get(c, {}))
+                     != jax.tree.structure(nn.meta.unbox(variables.get(c, {})))}
+        return self.sown
 
     def _nnx_forward(self, leaves, x, key, train):
         from flax import nnx
