@@ -27,7 +27,8 @@ def _microbatch_reference(model, variables, x, t, M):
     """Mean over M microbatches of mse(model.apply(...)) and its parameter gradients."""
     def total(p):
         xs, ts = jnp.split(x, M), jnp.split(t, M)
-        return sum(mse(model.apply({**variables, "params": p}, a), b)
+        # mutable: the state each microbatch writes is dropped (none reads it back here)
+        return sum(mse(model.apply({**variables, "params": p}, a, mutable=True)[0], b)
                    for a, b in zip(xs, ts)) / M
     return jax.value_and_grad(total)(variables["params"])
 
@@ -165,3 +166,31 @@ def test_a_sown_collection_holds_the_last_microbatchs_value():
     want_loss, want = _microbatch_reference(model, variables, x, t, 2)
     _close(loss, want_loss, "loss")
     _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
+
+
+# --- state written while evaluating ---------------------------------------------------
+class CountsCalls(nn.Module):
+    """flax's counter pattern: the update is not guarded by is_mutable_collection."""
+    @nn.compact
+    def __call__(self, x):
+        calls = self.variable("counters", "n", lambda: jnp.zeros((), jnp.float32))
+        if not self.is_initializing():
+            calls.value += 1.0
+        return nn.Dense(D)(jnp.tanh(nn.Dense(16)(x)))
+
+
+def test_a_model_that_writes_state_when_evaluating_splits_and_trains():
+    # The splitter's evaluation trace (no collection mutable) raised flax's
+    # ModifyScopeVariableError at pipe.init, though the user only trained.
+    x, t = _batch()
+    model = CountsCalls()
+    variables = model.init(jax.random.key(2), x)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack(variables)
+    loss, grads, new = pipe.value_and_grad(mse)(packed, x, t)
+    assert float(pipe.unpack(new)["counters"]["n"]) == 2.0      # once per microbatch
+    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
+    _close(loss, want_loss, "loss")
+    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
+    _close(pipe.apply(packed, x), model.apply(variables, x, mutable=["counters"])[0], "apply")

@@ -153,7 +153,14 @@ class Adapter:
                        jax.tree_util.tree_flatten_with_path(nn.meta.unbox(dict(new)))[0]}
             state = [by_path.get(_path_name(self.paths[i]), leaves[i]) for i in self.state_leaves]
             return y, state
-        y = self.model.apply(variables, x, rngs=rngs, **kw)
+        try:
+            y = self.model.apply(variables, x, rngs=rngs, **kw)
+        except flax.errors.ModifyScopeVariableError:
+            # The model writes state even when evaluating (flax's counter pattern, `if
+            # not self.is_initializing(): c.value += 1`): evaluated with its state
+            # mutable and the writes dropped. Only then: a model may read mutability as
+            # its mode (`train = self.is_mutable_collection("batch_stats")`).
+            y, _ = self.model.apply(variables, x, rngs=rngs, mutable=state_colls, **kw)
         return y, [leaves[i] for i in self.state_leaves]
 
     def _sown_collections(self, variables, x, rngs, state_colls, kw) -> set:
