@@ -194,3 +194,41 @@ def test_a_model_that_writes_state_when_evaluating_splits_and_trains():
     _close(loss, want_loss, "loss")
     _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
     _close(pipe.apply(packed, x), model.apply(variables, x, mutable=["counters"])[0], "apply")
+
+
+# --- sharding constraints inside the model ---------------------------------------------
+def test_sharding_constraints_in_a_model_are_dropped_and_in_layers_named():
+    # Inside the pipeline's shard_map every mesh axis is manual: a constraint to the
+    # whole mesh failed with jax's "Mesh for all inputs should be equal", deep in a step.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jh.make_mesh(data=2, pipe=2)
+
+    class Constrained(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(16)(x))
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data")))
+            return nn.Dense(D)(jnp.tanh(nn.Dense(16)(h)))
+
+    x, t = _batch()
+    model = Constrained()
+    variables = model.init(jax.random.key(2), x)
+    pipe = jp.Pipeline(model, mesh=mesh, num_microbatches=2)
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack(variables)
+    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
+    want_loss, want = _microbatch_reference(model, variables, x, t, 4)
+    _close(loss, want_loss, "loss")
+    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
+
+    class ConstrainedLayer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jax.lax.with_sharding_constraint(jnp.tanh(nn.Dense(D)(x)),
+                                                    NamedSharding(mesh, P("data")))
+
+    layers = jp.Pipeline([ConstrainedLayer(), ConstrainedLayer()], mesh=mesh,
+                         num_microbatches=2)
+    variables = layers.init(jax.random.key(1), x)
+    with pytest.raises(ValueError, match="with_sharding_constraint.*nn.with_logical_constraint"):
+        layers.value_and_grad(mse)(variables, x, t)

@@ -1,11 +1,9 @@
 """`Pipeline`: heterogeneous Flax layers as pipeline stages on a ("data", "pipe") mesh."""
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,8 +16,9 @@ from jaxhybrid.layers import check_loss_fn, raw_key
 from jaxhybrid import distributed, tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import async_weights, layouts, packing, programs, runtime, tables, zero
-from jaxhybrid.pipeline.arguments import (batch_size_of, check_plan_inputs, check_state_order,
-                                         checked_mesh, checked_schedule, checked_zero, rng_hint)
+from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
+                                         check_state_order, checked_mesh, checked_schedule,
+                                         checked_zero, rng_hint)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
@@ -459,26 +458,8 @@ class Pipeline(PipelineVariables):
             grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
             cross_len={}, residuals=None, split=[])
 
-    @contextlib.contextmanager
     def _fit_hint(self):
-        """flax's parameter shape errors name a module's initializer, not the cause: the
-        inputs are shaped unlike the sample the variables were made on."""
-        try:
-            yield
-        except (flax.errors.ScopeParamShapeError, flax.errors.ScopeParamNotFoundError) as e:
-            sample = ("" if self._sample is None else " (per example: " + str(jax.tree.map(
-                lambda a: tuple(np.shape(a)[1:]), self._sample)) + ")")
-            raise ValueError(f"Pipeline: the inputs do not fit the packed variables "
-                             f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
-                             f"shaped like pipe.init's sample_inputs{sample}, or pack "
-                             f"variables made for these inputs.") from e
-        except ValueError as e:
-            if "incompatible devices" not in str(e):
-                raise
-            raise ValueError(f"Pipeline: an argument is on devices outside the pipeline's "
-                             f"mesh ({str(e).splitlines()[0]}); pass numpy arrays, or place "
-                             f"them with jax.device_put(x, NamedSharding(pipe.mesh, "
-                             f"P('data'))).") from e
+        return call_hint(self._sample)
 
 
 _PROFILE_CACHE: dict = {}

@@ -136,3 +136,33 @@ def rng_hint(call: str, train: bool = True):
         mode = "while training" if train else "in evaluation mode (train=False)"
         raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) {mode}; "
                          f"pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
+
+
+@contextlib.contextmanager
+def call_hint(sample):
+    """The errors of a pipeline call whose messages name a symptom, said with the cause:
+    flax's parameter shape errors name a module's initializer (the inputs are shaped
+    unlike `sample`, what the variables were made on); jax's mesh errors name devices or
+    axis types."""
+    try:
+        yield
+    except (flax.errors.ScopeParamShapeError, flax.errors.ScopeParamNotFoundError) as e:
+        shapes = ("" if sample is None else " (per example: " + str(jax.tree.map(
+            lambda a: tuple(np.shape(a)[1:]), sample)) + ")")
+        raise ValueError(f"Pipeline: the inputs do not fit the packed variables "
+                         f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
+                         f"shaped like pipe.init's sample_inputs{shapes}, or pack "
+                         f"variables made for these inputs.") from e
+    except ValueError as e:
+        if "Mesh for all inputs should be equal" in str(e):
+            raise ValueError("Pipeline: a layer constrains a value to the mesh (jax.lax."
+                             "with_sharding_constraint), whose axes are manual inside the "
+                             "pipeline's stages; remove it from the layer, or use "
+                             "nn.with_logical_constraint (a single model's constraints the "
+                             "splitter drops itself).") from e
+        if "incompatible devices" not in str(e):
+            raise
+        raise ValueError(f"Pipeline: an argument is on devices outside the pipeline's "
+                         f"mesh ({str(e).splitlines()[0]}); pass numpy arrays, or place "
+                         f"them with jax.device_put(x, NamedSharding(pipe.mesh, "
+                         f"P('data'))).") from e
