@@ -232,3 +232,27 @@ def test_sharding_constraints_in_a_model_are_dropped_and_in_layers_named():
     variables = layers.init(jax.random.key(1), x)
     with pytest.raises(ValueError, match="with_sharding_constraint.*nn.with_logical_constraint"):
         layers.value_and_grad(mse)(variables, x, t)
+
+
+# --- messages ---------------------------------------------------------------------------
+class Mlp(nn.Module):
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D)(jnp.tanh(nn.Dense(self.width)(x)))
+
+
+def test_pack_refuses_variables_of_other_dtypes_or_shapes_by_name():
+    # bfloat16 copies of float32 parameters were packed and the step failed inside a
+    # traced piece ("lax.add requires arguments to have the same dtypes").
+    x, _ = _batch()
+    pipe = jp.Pipeline(Mlp(), mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
+    pipe.init(jax.random.key(1), x)
+    variables = Mlp().init(jax.random.key(2), x)
+    with pytest.raises(ValueError, match=r"params/Dense_0/bias is bfloat16\[4\], the model's "
+                                         r"is float32\[4\].*astype"):
+        pipe.pack(jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables))
+    with pytest.raises(ValueError, match=r"float32\[17, 4\], the model.s is float32\[16, 4\]; pass "
+                                         r"variables made for this model"):
+        pipe.pack(Mlp(17).init(jax.random.key(2), x))

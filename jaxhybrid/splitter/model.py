@@ -238,6 +238,20 @@ class SplitModel:
     def to_layer_vars(self, variables) -> list[dict]:
         """The model's variable tree -> one {collection: {name: array}} per piece."""
         leaves = self.adapter.leaves(variables)
+        for j, (leaf, want) in enumerate(zip(leaves, self.adapter.avals)):
+            # The pieces are programs traced at the model's own shapes and dtypes: a
+            # bfloat16 copy of float32 parameters failed inside the step ("lax.add
+            # requires arguments to have the same dtypes"), deep in a traceback.
+            got = (tuple(np.shape(leaf)), jnp.result_type(leaf))
+            if got != (tuple(want.shape), jnp.dtype(want.dtype)) and not _is_key(want):
+                c, name = self.adapter.colls[j], self.adapter.names[j]
+                fix = ("made for this model and its options" if got[0] != tuple(want.shape)
+                       else "cast with jax.tree.map(lambda a, b: a.astype(b.dtype), tree, "
+                            "pipe.unpack(variables)), or build the model with the dtype "
+                            "you mean (param_dtype=)")
+                raise ValueError(f"Splitter: variable {c}/{name} is {got[1].name}{list(got[0])}"
+                                 f", the model's is {jnp.dtype(want.dtype).name}"
+                                 f"{list(want.shape)}; pass variables {fix}.")
         for i in self._rng_values:
             self._rng_values[i] = leaves[i]
         out = []
