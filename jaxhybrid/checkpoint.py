@@ -17,7 +17,8 @@ finished writing it):
 
     <directory>/<step>/state   {"layers": [{"variables": {...}, "opt": [slot, ...]}, ...],
                                 "opt_rest": [non-parameter optimizer leaves]}
-    <directory>/<step>/meta    JSON: step, rng (key data), data_position, layout, shapes
+    <directory>/<step>/meta    JSON: step, rng (key data), data_position, loss_window (the
+                               losses since the last record), layout, shapes
                                ({leaf path: shape} of "state", checked before a restore)
 
 A model given to the pipeline as one linen module (split by `jaxhybrid.splitter`) is

@@ -300,6 +300,10 @@ class _Begun:
     start: int
     train_rng: Any
     ckpt: checkpoint.Checkpointer
+    # The losses of the steps since the last record up to `start`: the record after a
+    # resume averages them with the new ones, as the uninterrupted run did (it averaged
+    # only the steps since the checkpoint when checkpoint.every was off log_every's grid).
+    loss_window: tuple = ()
 
 
 def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) -> _Begun:
@@ -345,16 +349,16 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
         # unchecked, and its time counted as the first record's steps_per_sec).
         train_step = _checked_step(run, t, state, masks, jax.random.fold_in(train_rng, 1),
                                    config.pipeline, ckpt)
-    start = 0
+    start, loss_window = 0, ()
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(pipe, state)
-        start = int(meta["step"])
+        start, loss_window = int(meta["step"]), tuple(meta.get("loss_window", ()))
         train_rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
         if main:
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
                          meta.get("layout"))
     phases.stop("init")
-    return _Begun(run, state, masks, train_step, start, train_rng, ckpt)
+    return _Begun(run, state, masks, train_step, start, train_rng, ckpt, loss_window)
 
 
 def _compile_while_initialising(run: Run, t, layer_init: startup.LayerInit, phases, rng,
@@ -405,7 +409,8 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     batches = data.prefetch_to_mesh(
         itertools.islice(run.train_batches(start=b.start), max(t.steps - b.start, 0)), run.mesh)
     rng_data = [int(x) for x in np.asarray(jax.random.key_data(b.train_rng)).reshape(-1)]
-    final, window, last_saved = {"step": b.start}, [], b.ckpt.latest_step()
+    final, window, last_saved = {"step": b.start}, list(b.loss_window), b.ckpt.latest_step()
+    timed = 0                               # steps since `tick` (not the window's restored)
     tick = time.time()
     from tqdm import tqdm
     bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
@@ -427,6 +432,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 logging.info(phases.summary())
             _check_finite(m, step, t, last_saved, b.ckpt)
             window.append(m["loss"])
+            timed += 1
             bar.update(1)
             trace.after(step, state)
             last = step == t.steps
@@ -436,16 +442,17 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 record = {"step": step, "train_loss": float(np.mean(window)),
                           "learning_rate": float(schedule(step - 1)),
                           "grad_norm": m["grad_norm"], "param_norm": m["param_norm"],
-                          "steps_per_sec": len(window) / max(now - tick, 1e-9)}
+                          "steps_per_sec": timed / max(now - tick, 1e-9)}
                 if do_eval:
                     record.update(evaluate(run, state["variables"], t.eval_steps))
                 if writer is not None:
                     writer.write(record)
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
-                final, window, tick = record, [], time.time()
+                final, window, timed, tick = record, [], 0, time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                 saving = time.time()
-                b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step})
+                b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step,
+                                                    "loss_window": list(window)})
                 last_saved, tick = step, tick + time.time() - saving   # not a step's time
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}

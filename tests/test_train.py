@@ -124,6 +124,24 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(reference, tm
     assert final["eval_loss"] == ref_final["eval_loss"]
 
 
+def test_the_record_after_a_resume_averages_the_steps_since_the_last_record(reference, tmp_path,
+                                                                            monkeypatch):
+    # Records every 2 steps, checkpoints every 3: the record of step 4 averages steps 3
+    # and 4. Resumed from step 3 it averaged step 4 alone (the window was not saved).
+    ref = losses(reference[0])                                # every step's own loss
+    config = gpt_config(**{"train.log_every": 2})
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 5)
+        with pytest.raises(_Preempted):
+            train.train_and_evaluate(config, tmp_path)
+    train.train_and_evaluate(config, tmp_path)
+    got = losses(tmp_path)
+    assert sorted(got) == [2, 4, 6]
+    np.testing.assert_allclose([got[2], got[4], got[6]],
+                               [np.mean([ref[1], ref[2]]), np.mean([ref[3], ref[4]]),
+                                np.mean([ref[5], ref[6]])], rtol=1e-6)
+
+
 def _restore(config, ckpt_dir, step):
     """The portable (per-layer) train state of `step`, restored through `config`'s layout."""
     run = train.prepare(config)
