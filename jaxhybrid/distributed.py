@@ -211,3 +211,32 @@ def process_0s(items: list) -> list:
         return items
     chosen = broadcast_json([dataclasses.asdict(x) for x in items])
     return [type(x)(**d) for x, d in zip(items, chosen)]
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (what SLURM, Kubernetes and `launch_local.py` send to stop a run) ends the
+    run like Ctrl-C: on one process as a KeyboardInterrupt, so the training loop saves
+    its last step and waits for the checkpoint being written (SIGTERM's default killed
+    the process at once and dropped that write). On several processes a checkpoint needs
+    all of them, and a stopped one would leave the others waiting in a barrier (for 300 s
+    after a Ctrl-C to one process): SIGTERM and SIGINT end this process at once, with a
+    line naming it, and the others stop within --heartbeat_timeout naming it, as when a
+    process dies. The last complete checkpoint stays."""
+    import signal
+    import sys
+
+    import jax
+
+    def stop(signum, frame):
+        name = signal.Signals(signum).name
+        if jax.process_count() == 1:
+            raise KeyboardInterrupt(name)
+        sys.stderr.write(f"process {jax.process_index()}: stopped by {name}; the other "
+                         f"processes stop within --heartbeat_timeout, and a restart "
+                         f"resumes from the last complete checkpoint\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    if jax.process_count() > 1:
+        signal.signal(signal.SIGINT, stop)

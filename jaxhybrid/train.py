@@ -410,6 +410,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
         itertools.islice(run.train_batches(start=b.start), max(t.steps - b.start, 0)), run.mesh)
     rng_data = [int(x) for x in np.asarray(jax.random.key_data(b.train_rng)).reshape(-1)]
     final, window, last_saved = {"step": b.start}, list(b.loss_window), b.ckpt.latest_step()
+    done = b.start                          # the step `state` is after
     timed = 0                               # steps since `tick` (not the window's restored)
     tick = time.time()
     from tqdm import tqdm
@@ -425,12 +426,13 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                                  f"train_data() must yield train.steps={t.steps} batches.")
             inputs, targets = batch
             with phases("first step") if step == b.start + 1 else contextlib.nullcontext():
-                state, m = b.train_step(state, b.masks, inputs, targets,
-                                        jax.random.fold_in(b.train_rng, step))
+                new_state, m = b.train_step(state, b.masks, inputs, targets,
+                                            jax.random.fold_in(b.train_rng, step))
                 m = {k: float(v) for k, v in m.items()}
             if step == b.start + 1 and writer is not None:
                 logging.info(phases.summary())
             _check_finite(m, step, t, last_saved, b.ckpt)
+            state, done = new_state, step
             window.append(m["loss"])
             timed += 1
             bar.update(1)
@@ -450,12 +452,20 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
                 final, window, timed, tick = record, [], 0, time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
-                saving = time.time()
+                saving, last_saved = time.time(), step
                 b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step,
                                                     "loss_window": list(window)})
-                last_saved, tick = step, tick + time.time() - saving   # not a step's time
+                tick += time.time() - saving                            # not a step's time
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
+    except KeyboardInterrupt:               # Ctrl-C, or SIGTERM (distributed.stop_on_signals)
+        if done > (last_saved or 0) and jax.process_count() == 1:
+            last_saved = done
+            b.ckpt.save(done, run.pipe, state, {"rng": rng_data, "data_position": done,
+                                                "loss_window": list(window)})
+        logging.warning("stopped after step %d; the last checkpoint is step %s (the "
+                        "same command resumes from it)", done, last_saved)
+        raise
     finally:
         trace.close()
         bar.close()

@@ -143,6 +143,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     from jaxhybrid import checkpoint, startup, train
     from jaxhybrid.plan import MemoryBudgetError
+    distributed.stop_on_signals()
     try:
         startup.enable_caches(startup.default_cache_dir() if _CACHE_DIR.value is None
                               else _CACHE_DIR.value)
@@ -158,6 +159,10 @@ def main(argv):
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch,
             checkpoint.CheckpointWriteError, MemoryBudgetError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:        # Ctrl-C or SIGTERM; the log names the step
+        name = e.args[0] if e.args else "SIGINT"
+        sys.stderr.write(f"stopped by {name}\n")
+        sys.exit(143 if name == "SIGTERM" else 130)
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise

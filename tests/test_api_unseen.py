@@ -412,3 +412,7 @@ def test_bad_constructor_arguments_are_named():
         make(remat="auto", memory_budget="bogus")
     with pytest.raises(ValueError, match="topology='bogus'.*Grammar"):
         make(topology="bogus")
+    # One bool per stage (not per layer): a TypeError from inside jax.checkpoint_policies.
+    with pytest.raises(ValueError, match=r"remat=\[True, False\] must be .* a list of 2 of "
+                                         r"those \(one per stage\), or a list of \d+ bools"):
+        make(remat=[True, False], boundaries=[1])

@@ -92,8 +92,8 @@ class _Preempted(Exception):
     pass
 
 
-def _interrupt_at(monkeypatch, stop_call):
-    """Make the train step raise on its `stop_call`-th call, like a preemption."""
+def _interrupt_at(monkeypatch, stop_call, error=_Preempted):
+    """Make the train step raise `error` on its `stop_call`-th call, like a preemption."""
     make = train.make_train_step
 
     def patched(run, t):
@@ -102,7 +102,7 @@ def _interrupt_at(monkeypatch, stop_call):
         def wrapped(*args):
             calls[0] += 1
             if calls[0] == stop_call:
-                raise _Preempted()
+                raise error()
             return step(*args)
         return wrapped
     monkeypatch.setattr(train, "make_train_step", patched)
@@ -122,6 +122,39 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(reference, tm
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert losses(tmp_path) == losses(ref_dir)                # bit for bit
     assert final["eval_loss"] == ref_final["eval_loss"]
+
+
+def test_a_stopped_run_saves_its_last_step_and_resumes_from_it(reference, tmp_path,
+                                                               monkeypatch):
+    # SIGTERM (a preemption, launch_local's stop) killed the run at once: the steps
+    # since the last checkpoint were lost and a checkpoint being written was dropped.
+    import os
+    import signal
+    from jaxhybrid import distributed
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        distributed.stop_on_signals()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        # One of several processes: exits at once, naming itself (a Ctrl-C to one left
+        # the others waiting 300 s in a checkpoint barrier, then blamed process 0).
+        with monkeypatch.context() as m:
+            m.setattr(jax, "process_count", lambda: 2)
+            m.setattr(jax, "process_index", lambda: 1)
+            m.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+            distributed.stop_on_signals()
+            with pytest.raises(SystemExit, match="130"):
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 5, KeyboardInterrupt)      # what SIGTERM raises now
+        with pytest.raises(KeyboardInterrupt):
+            train.train_and_evaluate(gpt_config(), tmp_path)
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).all_steps() == [3, 4]
+    train.train_and_evaluate(gpt_config(), tmp_path)
+    assert losses(tmp_path) == losses(reference[0])          # bit for bit
 
 
 def test_the_record_after_a_resume_averages_the_steps_since_the_last_record(reference, tmp_path,

@@ -175,7 +175,8 @@ class Pipeline(PipelineVariables):
                 isinstance(r, (bool, np.bool_)) for r in remat) and not (
                 len(remat) == S and any(isinstance(r, str) for r in remat)):
             per_stage, per_layer = ["none"] * S, [bool(r) for r in remat]
-        elif isinstance(remat, (list, tuple)) and len(remat) == S:
+        elif isinstance(remat, (list, tuple)) and len(remat) == S and all(
+                isinstance(r, str) for r in remat):
             per_stage, per_layer = [check_stage_remat(r) for r in remat], [False] * L
         else:
             raise ValueError(f"Pipeline: remat={remat!r} must be 'none', 'full', 'auto', a "

@@ -17,7 +17,7 @@ STAGE_REMAT_CHOICES = ("none", "full")
 
 
 def _policy(name: str):
-    policy = getattr(jax.checkpoint_policies, name, None)
+    policy = getattr(jax.checkpoint_policies, name, None) if isinstance(name, str) else None
     if policy is None or name.startswith("_"):
         names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
         raise ValueError(f"remat {name!r} is neither 'none', 'full', 'auto' nor a "
