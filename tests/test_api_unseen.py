@@ -9,7 +9,6 @@ schedules; `train_step` with optax schedules, `inject_hyperparams` and `optax.ma
 Bad inputs: each must be one clear ValueError / TypeError naming the fix, raised while
 tracing or constructing, not from deep inside jax, flax or optax.
 """
-import copy
 import functools
 
 import flax.linen as nn
@@ -346,13 +345,11 @@ def test_pack_of_other_shapes_then_stale_variables_are_named():
     pipe = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
                        boundaries=[2], remat="none")
     variables = pipe.init(jax.random.key(0), X)
-    wide = copy.deepcopy(pipe.unpack(variables))
-    wide[0]["params"]["Dense_0"]["kernel"] = np.ones((5, 4), np.float32)
-    repacked = pipe.pack(wide)              # lays the pipeline out for the new shapes
-    with pytest.raises(ValueError, match="before a pipe.pack of other shapes"):
+    wide = pipe.init(jax.random.key(0), jnp.ones((8, 5)))   # lays it out for 5 features
+    with pytest.raises(ValueError, match="before a pipe.init on inputs of other shapes"):
         pipe.unpack(variables)
     with pytest.raises(ValueError, match="do not fit the packed variables.*sample_inputs"):
-        pipe.value_and_grad(mse)(repacked, X, Y)   # was flax's ScopeParamShapeError
+        pipe.value_and_grad(mse)(wide, X, Y)      # was flax's ScopeParamShapeError
 
 
 def test_bad_step_inputs_are_named():
@@ -416,3 +413,24 @@ def test_bad_constructor_arguments_are_named():
     with pytest.raises(ValueError, match=r"remat=\[True, False\] must be .* a list of 2 of "
                                          r"those \(one per stage\), or a list of \d+ bools"):
         make(remat=[True, False], boundaries=[1])
+
+
+def test_pack_after_init_refuses_variables_unlike_the_layout():
+    # They were packed into a new layout: the step blamed the inputs ("pass inputs shaped
+    # like pipe.init's sample_inputs"), and the variables init had made stopped fitting.
+    pipe = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    variables = pipe.init(jax.random.key(0), X)
+    per_layer = pipe.unpack(variables)
+    wrong = [dict(v) for v in per_layer]
+    kernel = wrong[0]["params"]["Dense_0"]["kernel"]                 # [3, 4]
+    wrong[0] = {"params": {"Dense_0": {**wrong[0]["params"]["Dense_0"], "kernel": kernel.T}}}
+    with pytest.raises(ValueError, match=r"layer 0's params/Dense_0/kernel is float32\[4, 3\], "
+                                         r"the layout's float32\[3, 4\]"):
+        pipe.pack(wrong)
+    renamed = [dict(v) for v in per_layer]
+    renamed[0] = {"params": {"Other": per_layer[0]["params"]["Dense_0"]}}
+    with pytest.raises(ValueError, match="layer 0's params/Dense_0/bias is missing"):
+        pipe.pack(renamed)
+    pipe.value_and_grad(mse)(variables, X, jnp.zeros((8, 4)))   # init's variables still fit
+    pipe.pack(per_layer)                                   # and their own copy packs

@@ -193,9 +193,7 @@ class Pipeline(PipelineVariables):
                 for d in range(self.pipe_size)]
 
     def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
-        abstract = [{c: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
-                                     self._model_shard(i, c, tree, 0)) for c, tree in dict(v).items()}
-                    for i, v in enumerate(per_layer)]
+        abstract = self.abstract_layer_vars(per_layer)
         self._layer_vars = abstract
         colls = sorted({c for v in abstract for c in v})
         self.state_collections = [c for c in colls if c != "params"]

@@ -376,5 +376,5 @@ def check_packed(variables, expected: Mapping[str, Mapping[str, Any]], who: str)
         if show(got) != {k: tuple(b.shape) for k, b in bufs.items()}:
             raise ValueError(f"Pipeline.{who}: variables[{c!r}] has buffers {show(got)}, this "
                              f"pipeline's layout is {show(bufs)}: they were packed by another "
-                             f"pipeline or before a pipe.pack of other shapes; repack them with "
+                             f"pipeline or before a pipe.init on inputs of other shapes; repack them with "
                              f"this one: pipe.pack(other_pipe.unpack(variables)).")

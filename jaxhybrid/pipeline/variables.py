@@ -45,7 +45,7 @@ class PipelineVariables:
                     f"{shape(x_local)}, whole {shape(x)}); join it in the last layer, e.g. "
                     f"jaxhybrid.tensor_parallel.gather_from_model(y), so that loss_fn sees "
                     f"whole outputs.")
-        return self.pack(self.init_layers(rng, sample_inputs))
+        return self._pack(self.init_layers(rng, sample_inputs))
 
     def init_layers(self, rng: jax.Array, sample_inputs: PyTree) -> list[dict]:
         """Per-layer variables, initialised in order on the first example of
@@ -98,8 +98,40 @@ class PipelineVariables:
                                                                         x_local)}
 
     def pack(self, per_layer: Sequence[dict]) -> dict:
-        """Per-layer flax variable dicts -> packed, sharded stage variables."""
+        """Per-layer flax variable dicts -> packed, sharded stage variables. Once the
+        layout is known (`init`, an earlier `pack`), the variables must match it."""
+        return self._pack(per_layer, check=self._layer_vars is not None)
+
+    def abstract_layer_vars(self, per_layer: Sequence[dict]) -> list[dict]:
+        """Per layer {collection: tree of ShapeDtypeStruct} (model shard 0's shapes)."""
+        return [{c: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
+                                 self._model_shard(i, c, tree, 0)) for c, tree in dict(v).items()}
+                for i, v in enumerate(per_layer)]
+
+    def _check_like_layout(self, per_layer: list[dict]) -> None:
+        """Refuses variables unlike the layout's, naming the first difference: they were
+        packed into a new layout, the step then blamed the inputs, and the variables
+        `init` had made no longer fitted."""
+        for i, (got, want) in enumerate(zip(self.abstract_layer_vars(per_layer),
+                                            self._layer_vars)):
+            if got == want:
+                continue
+            g = dict(jax.tree_util.tree_flatten_with_path(got)[0])
+            w = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+            name = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)  # noqa: E731
+            show = lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}"  # noqa: E731
+            diff = next((f"{name(p)} is {show(g[p])}, the layout's {show(w[p])}"
+                         for p in w if p in g and g[p] != w[p]), None)
+            diff = diff or next((f"{name(p)} is missing" for p in w if p not in g), None)
+            diff = diff or next(f"{name(p)} is not in the layout" for p in g if p not in w)
+            raise ValueError(f"Pipeline.pack: layer {i}'s {diff}; pass variables shaped as "
+                             f"pipe.init made them (pipe.unpack(variables) shows them), or "
+                             f"make a new Pipeline for other layers.")
+
+    def _pack(self, per_layer: Sequence[dict], check: bool = False) -> dict:
         per_layer = self._checked_layer_vars(per_layer, "pack")
+        if check:
+            self._check_like_layout(per_layer)
         self._set_layer_vars(per_layer)
         sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
