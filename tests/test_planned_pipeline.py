@@ -112,3 +112,25 @@ def test_explicit_plan_is_used_as_is():
     assert pipe.boundaries == [1, 3, 5] and pipe.plan is plan
     with pytest.raises(ValueError, match="make a plan for this model and mesh"):
         jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=4, pipe=2), plan=plan)
+
+
+def test_the_plan_reports_the_users_remat():
+    # pipe.plan showed the planner's own choice (nothing recomputed) and its memory,
+    # whatever remat the pipeline ran with.
+    inputs, _ = mm.make_batch(16)
+    n = len(LAYERS)
+    plans = {}
+    for remat in ["none", "full", [i % 2 == 0 for i in range(n)], ["full", "none"],
+                  ["dots_saveable", "none"]]:
+        pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=4,
+                           boundaries=[n // 2], remat=remat)
+        pipe.init(jax.random.key(0), inputs)
+        plans[str(remat)] = pipe.plan
+    assert plans["none"].remat == [False] * n
+    assert plans["full"].remat == [True] * n
+    assert plans[str([i % 2 == 0 for i in range(n)])].remat == [i % 2 == 0 for i in range(n)]
+    assert plans[str(["full", "none"])].remat == [True] * (n // 2) + [False] * (n - n // 2)
+    assert plans[str(["dots_saveable", "none"])].remat == [False] * n     # not modelled
+    full, none = plans["full"], plans["none"]
+    assert max(full.stage_memory) < max(none.stage_memory)
+    assert sum(full.stage_compute_time) > sum(none.stage_compute_time)

@@ -152,11 +152,27 @@ class Pipeline(PipelineVariables):
             schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, model=self.model,
-            zero_shards=self.data if self.zero else 1, hardware=stored_hardware())
+            zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
+            remat=self._planned_remat())
+
+    def _planned_remat(self) -> list | None:
+        """The user's remat as one bool per layer for the planner to predict (it reported
+        its own choice, nothing recomputed, whatever ran); None where the planner chooses
+        or a stage runs a jax.checkpoint policy (not modelled: counted as no remat)."""
+        if self.remat == "auto" or (isinstance(self.remat, str) and self.remat == "none"):
+            return None
+        out = []
+        for prog in self.programs:
+            if prog.stage_remat not in ("none", "full"):
+                return None
+            out += [prog.stage_remat == "full" or r for r in prog.layer_remat]
+        return out
 
     @property
     def plan(self):
-        """The plan in use (boundaries, remat per layer, predicted per-stage time/memory)."""
+        """The plan in use (boundaries, remat per layer, predicted per-stage time/memory):
+        the user's remat when given ('full', one bool per layer, or per stage 'none' /
+        'full'; a stage's jax.checkpoint policy is not modelled and shows as none)."""
         if self._plan is None:
             if self._sample is None:
                 raise ValueError("Pipeline.plan: call pipe.init(rng, sample_inputs) first (the "

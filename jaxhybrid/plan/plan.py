@@ -320,7 +320,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               microbatch_size: int | None = None, param_state_factor: float = 4,
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
               boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
-              hardware=None, model: int = 1, zero_shards: int = 1) -> Plan:
+              hardware=None, model: int = 1, zero_shards: int = 1,
+              remat: Sequence[bool] | None = None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -332,7 +333,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     price the predicted step as the projection does; None: layer work and transfers only.
     model: tensor-parallel degree (times and memory of one device's share of each layer,
     `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
-    (ZeRO; 1 without)."""
+    (ZeRO; 1 without). remat: one bool per layer, recomputation already chosen (the
+    user's); its memory and recompute time are predicted instead of choosing one."""
     costs = list(costs)
     if not costs or not all(isinstance(c, LayerCost) for c in costs):
         raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
@@ -377,7 +379,9 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     cuts, order, sc = _cuts_and_order(times, t, S, M, data, objective, topology, device_order,
                                       boundaries, max_mapping_rounds, link)
 
-    remat = [False] * L
+    if remat is not None and len(remat) != L:
+        raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
+    remat = [False] * L if remat is None else [bool(r) for r in remat]
     if budget is not None:
         remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor,
                                   **shard)
