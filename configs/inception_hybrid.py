@@ -4,8 +4,8 @@
 
 Expected on a host without GPUs (8 simulated CPU devices, mesh data=2 x pipe=4, the
 planner's stage boundaries [3, 6, 11], 1F1B over 4 microbatches, Inception-V3 "tiny"):
-after 300 steps (~13 epochs of the 1437 training digits) eval_accuracy 0.972 on the
-360 test digits (0.955-0.972 across seeds and engine versions, whose floating-point
+after 300 steps (~13 epochs of the 1438 training digits) eval_accuracy 0.972 on the
+359 test digits (0.955-0.972 across seeds and engine versions, whose floating-point
 summation orders differ), in 3 min 2 s - 3 min 12 s wall time on 2 quiet CPU cores:
 ~60 s planning (layer profiling) and initialisation, ~40 s compiling, then 4-4.5 steps/s
 (measured before layer profiling went abstract and cached: the log's "start-up:" line
