@@ -256,3 +256,20 @@ def test_pack_refuses_variables_of_other_dtypes_or_shapes_by_name():
     with pytest.raises(ValueError, match=r"float32\[17, 4\], the model.s is float32\[16, 4\]; pass "
                                          r"variables made for this model"):
         pipe.pack(Mlp(17).init(jax.random.key(2), x))
+
+
+def test_a_per_example_array_in_call_kwargs_is_named():
+    # The model's own broadcasting error came 12 frames deep from pipe.init.
+    class MaskedPool(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask=None):
+            h = jnp.tanh(nn.Dense(16)(x))
+            return nn.Dense(D)(jnp.where(mask[..., None], h, 0.0).sum(1))
+
+    x = jnp.ones((16, 8, D))
+    mask = jnp.ones((16, 8), bool)
+    pipe = jp.Pipeline(MaskedPool(), mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       call_kwargs={"mask": mask})
+    with pytest.raises(ValueError, match=r"call_kwargs \['mask'\] go whole to every "
+                                         r"microbatch.*inputs=\(x, mask\)"):
+        pipe.init(jax.random.key(1), x)

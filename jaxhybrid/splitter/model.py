@@ -55,6 +55,21 @@ def _abstract(tree):
                                                        if not hasattr(a, "dtype") else a.dtype), tree)
 
 
+def _raise_if_per_example_kwargs(error: Exception, call_kwargs: dict, x_abs) -> None:
+    """A model that failed to trace with arrays in call_kwargs that are not one
+    microbatch long: likely a per-example value (a mask [batch, ...]) given whole to
+    every microbatch; said so, with the fix (the model's own error was 12 frames deep)."""
+    rows = np.shape(jax.tree.leaves(x_abs)[0])[0] if jax.tree.leaves(x_abs) else None
+    names = [jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(
+        call_kwargs)[0] if np.ndim(a) >= 1 and np.shape(a)[0] not in (1, rows)]
+    if names:
+        raise ValueError(f"Splitter: the model failed on one microbatch of {rows} rows "
+                         f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                         f"call_kwargs {', '.join(names)} go whole to every microbatch: a "
+                         f"per-example value (e.g. a mask [batch, ...]) must travel with the "
+                         f"inputs, e.g. inputs=(x, mask) and __call__(self, inputs).") from error
+
+
 def _is_key(aval) -> bool:
     return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
 
@@ -126,7 +141,11 @@ class SplitModel:
     def _traced(self, x_abs, train: bool) -> C.Traced:
         key = ("traced", str(x_abs), train)
         if key not in self._cache:
-            closed, y_tree = trace(self.adapter, x_abs, train)
+            try:
+                closed, y_tree = trace(self.adapter, x_abs, train)
+            except Exception as e:
+                _raise_if_per_example_kwargs(e, self.adapter.call_kwargs, x_abs)
+                raise
             prog = flatten(closed, self._peaks)
             nv, nx = len(self.adapter.program_vars), len(jax.tree.leaves(x_abs))
             var_ids = prog.invars[:nv]
