@@ -273,3 +273,27 @@ def test_a_per_example_array_in_call_kwargs_is_named():
     with pytest.raises(ValueError, match=r"call_kwargs \['mask'\] go whole to every "
                                          r"microbatch.*inputs=\(x, mask\)"):
         pipe.init(jax.random.key(1), x)
+
+
+def test_sample_inputs_split_the_model_on_one_microbatch():
+    # sample_inputs= split the model on one example, init on one microbatch: a model
+    # whose graph follows the batch size (lax.map over its examples) was refused at init
+    # ("the model's graph changes with the input shape"), though it trained without them.
+    class MapsExamples(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(), (16, 16))
+            h = jax.lax.map(lambda e: jnp.tanh(e @ w), nn.Dense(16)(x))
+            return nn.Dense(D)(h)
+
+    x, t = _batch()
+    model = MapsExamples()
+    variables = model.init(jax.random.key(2), x)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       sample_inputs=x, boundaries=[2])
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack(variables)
+    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
+    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
+    _close(loss, want_loss, "loss")
+    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")

@@ -71,7 +71,8 @@ class Pipeline(PipelineVariables):
                  call_kwargs: dict | None = None, sample_inputs: PyTree = None,
                  zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
-        self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs)
+        self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs,
+                                             num_microbatches)
         if self.splitter is not None:
             self.splitter.check_counted_options(boundaries, plan, remat)
         self.layers = list(layers)

@@ -29,8 +29,11 @@ class _PendingPiece(nn.Module):
                          "(or pass sample_inputs= to Pipeline); call init first.")
 
 
-def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
-    """(ModelSplitter or None, the layers the pipeline starts with)."""
+def for_pipeline(layers, mesh, call_kwargs, sample_inputs, num_microbatches=1):
+    """(ModelSplitter or None, the layers the pipeline starts with). A model is split on
+    one microbatch of `sample_inputs`, as `init` splits it (it was split on one example:
+    a model whose graph follows the batch size, e.g. `lax.map` over its examples, was
+    then refused at init for a graph that changed)."""
     if isinstance(layers, SplitModel):
         s = ModelSplitter(layers.model, call_kwargs, layers)
         return s, s.split.layers
@@ -41,7 +44,13 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs):
     stages = int(dict(getattr(mesh, "shape", {})).get("pipe", 1))
     s = ModelSplitter(layers, call_kwargs, None)
     if sample_inputs is not None:
-        s.split_at(jax.tree.map(lambda a: jnp.asarray(a)[:1], sample_inputs), stages)
+        shape = dict(getattr(mesh, "shape", {}))
+        n = int(shape.get("data", 1)) * (num_microbatches if isinstance(num_microbatches, int)
+                                         and num_microbatches > 0 else 1)
+        leaves = jax.tree.leaves(sample_inputs)
+        b = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
+        rows = b // n if b % n == 0 else b      # as Pipeline._microbatch_sample takes it
+        s.split_at(jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs), stages)
         return s, s.split.layers
     # Enough stand-ins for any stage count (virtual stages included) until the split.
     return s, [_PendingPiece()] * max(256, stages)
