@@ -33,6 +33,23 @@ def _microbatch_reference(model, variables, x, t, M):
     return jax.value_and_grad(total)(variables["params"])
 
 
+def _split_step_matches(model, variables, x, t, *, data=1, packed_variables=None,
+                        mesh=None, **options):
+    """The model split over pipe 2 (M=2): loss and gradients of one value_and_grad equal
+    the unsplit model's on the same microbatches. Returns (pipe, new packed variables)."""
+    pipe = jp.Pipeline(model, mesh=mesh or jh.make_mesh(data=data, pipe=2),
+                       num_microbatches=2, **options)
+    pipe.init(jax.random.key(1), x)
+    packed = pipe.pack(variables if packed_variables is None else packed_variables)
+    loss, grads, new = pipe.value_and_grad(mse)(packed, x, t)
+    want_loss, want = _microbatch_reference(model, variables, x, t, 2 * pipe.data)
+    got = pipe.unpack({**packed, "params": grads})["params"]
+    assert float(np.abs(jax.tree.leaves(got)[0]).max()) > 0
+    _close(loss, want_loss, "loss")
+    _close(got, want, "gradients")
+    return pipe, new
+
+
 # --- complex values ------------------------------------------------------------------
 class ComplexCut(nn.Module):
     """A complex activation crosses the cut (FFT mixing, complex state-space states)."""
@@ -60,17 +77,8 @@ def test_complex_values_carry_gradients_across_cuts(model, schedule, data):
     # Complex leaves were filed as non-differentiable: every parameter before a complex
     # value crossing a cut got a zero gradient, with loss and apply exact.
     x, t = _batch()
-    variables = model.init(jax.random.key(2), x)
-    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=data, pipe=2), num_microbatches=2,
-                       schedule=schedule)
-    pipe.init(jax.random.key(1), x)
-    packed = pipe.pack(variables)
-    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
-    want_loss, want = _microbatch_reference(model, variables, x, t, 2 * data)
-    got = pipe.unpack({**packed, "params": grads})["params"]
-    assert float(np.abs(jax.tree.leaves(got)[0]).max()) > 0
-    _close(loss, want_loss, "loss")
-    _close(got, want, "gradients")
+    _split_step_matches(model, model.init(jax.random.key(2), x), x, t, data=data,
+                        schedule=schedule)
 
 
 def test_complex_activation_between_listed_layers():
@@ -157,15 +165,11 @@ def test_a_sown_collection_holds_the_last_microbatchs_value():
     x, t = _batch()
     model = SowsALoss()
     variables = model.init(jax.random.key(2), x)
-    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
-    pipe.init(jax.random.key(1), x)
-    packed = pipe.pack({**variables, "losses": {"aux": (jnp.float32(123.0),)}})
-    loss, grads, new = pipe.value_and_grad(mse)(packed, x, t)
+    pipe, new = _split_step_matches(
+        model, variables, x, t,
+        packed_variables={**variables, "losses": {"aux": (jnp.float32(123.0),)}})
     _, sown = model.apply({"params": variables["params"]}, x[B // 2:], mutable=["losses"])
     _close(pipe.unpack(new)["losses"], sown["losses"], "sown value")
-    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
-    _close(loss, want_loss, "loss")
-    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
 
 
 # --- state written while evaluating ---------------------------------------------------
@@ -185,15 +189,10 @@ def test_a_model_that_writes_state_when_evaluating_splits_and_trains():
     x, t = _batch()
     model = CountsCalls()
     variables = model.init(jax.random.key(2), x)
-    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
-    pipe.init(jax.random.key(1), x)
-    packed = pipe.pack(variables)
-    loss, grads, new = pipe.value_and_grad(mse)(packed, x, t)
+    pipe, new = _split_step_matches(model, variables, x, t)
     assert float(pipe.unpack(new)["counters"]["n"]) == 2.0      # once per microbatch
-    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
-    _close(loss, want_loss, "loss")
-    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
-    _close(pipe.apply(packed, x), model.apply(variables, x, mutable=["counters"])[0], "apply")
+    _close(pipe.apply(pipe.pack(variables), x),
+           model.apply(variables, x, mutable=["counters"])[0], "apply")
 
 
 # --- sharding constraints inside the model ---------------------------------------------
@@ -213,13 +212,7 @@ def test_sharding_constraints_in_a_model_are_dropped_and_in_layers_named():
     x, t = _batch()
     model = Constrained()
     variables = model.init(jax.random.key(2), x)
-    pipe = jp.Pipeline(model, mesh=mesh, num_microbatches=2)
-    pipe.init(jax.random.key(1), x)
-    packed = pipe.pack(variables)
-    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
-    want_loss, want = _microbatch_reference(model, variables, x, t, 4)
-    _close(loss, want_loss, "loss")
-    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
+    _split_step_matches(model, variables, x, t, mesh=mesh)
 
     class ConstrainedLayer(nn.Module):
         @nn.compact
@@ -289,11 +282,4 @@ def test_sample_inputs_split_the_model_on_one_microbatch():
     x, t = _batch()
     model = MapsExamples()
     variables = model.init(jax.random.key(2), x)
-    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
-                       sample_inputs=x, boundaries=[2])
-    pipe.init(jax.random.key(1), x)
-    packed = pipe.pack(variables)
-    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t)
-    want_loss, want = _microbatch_reference(model, variables, x, t, 2)
-    _close(loss, want_loss, "loss")
-    _close(pipe.unpack({**packed, "params": grads})["params"], want, "gradients")
+    _split_step_matches(model, variables, x, t, sample_inputs=x, boundaries=[2])
