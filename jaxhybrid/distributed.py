@@ -213,30 +213,54 @@ def process_0s(items: list) -> list:
     return [type(x)(**d) for x, d in zip(items, chosen)]
 
 
-def stop_on_signals() -> None:
+def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
     """SIGTERM (what SLURM, Kubernetes and `launch_local.py` send to stop a run) ends the
     run like Ctrl-C: on one process as a KeyboardInterrupt, so the training loop saves
     its last step and waits for the checkpoint being written (SIGTERM's default killed
-    the process at once and dropped that write). On several processes a checkpoint needs
-    all of them, and a stopped one would leave the others waiting in a barrier (for 300 s
-    after a Ctrl-C to one process): SIGTERM and SIGINT end this process at once, with a
-    line naming it, and the others stop within --heartbeat_timeout naming it, as when a
-    process dies. The last complete checkpoint stays."""
+    the process at once and dropped that write); if it has not ended `grace_s` later (the
+    main thread stuck in a compile or a collective), it exits then. On several processes
+    a checkpoint needs all of them, and a stopped one would leave the others waiting in
+    a barrier (for 300 s after a Ctrl-C to one process): SIGTERM and SIGINT end this
+    process at once, with a line naming it, and the others stop within
+    --heartbeat_timeout naming it, as when a process dies. The last complete checkpoint
+    stays. A watcher thread reads the signals from the wakeup fd, so this holds while
+    the main thread is inside XLA (where Python handlers do not run). Main thread only;
+    `_exit` is for tests."""
     import signal
     import sys
+    import threading
+    import time
 
     import jax
+    several = jax.process_count() > 1
+    stops = {signal.SIGTERM, *([signal.SIGINT] if several else [])}
 
-    def stop(signum, frame):
-        name = signal.Signals(signum).name
-        if jax.process_count() == 1:
-            raise KeyboardInterrupt(name)
-        sys.stderr.write(f"process {jax.process_index()}: stopped by {name}; the other "
-                         f"processes stop within --heartbeat_timeout, and a restart "
-                         f"resumes from the last complete checkpoint\n")
+    def exit_now(signum: int, why: str) -> None:
+        sys.stderr.write(f"process {jax.process_index()}: stopped by "
+                         f"{signal.Signals(signum).name}{why}\n")
         sys.stderr.flush()
-        os._exit(128 + signum)
+        _exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    if jax.process_count() > 1:
-        signal.signal(signal.SIGINT, stop)
+    def handler(signum, frame):   # the main thread, between two Python instructions
+        if not several:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def watch(fd: int) -> None:
+        while True:
+            got = os.read(fd, 1)
+            if got and got[0] in stops:
+                if several:
+                    exit_now(got[0], "; the other processes stop within "
+                             "--heartbeat_timeout, and a restart resumes from the last "
+                             "complete checkpoint")
+                time.sleep(grace_s)
+                exit_now(got[0], f" and still running {grace_s:g} s later; exiting (the "
+                         f"last complete checkpoint stays)")
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for signum in stops:
+        signal.signal(signum, handler)
+    threading.Thread(target=watch, args=(read_fd,), daemon=True,
+                     name="stop_on_signals").start()

@@ -8,6 +8,7 @@ default config is smoke-run through scripts/train.py in test_config_flags.py.
 import itertools
 import json
 import pathlib
+import queue
 import shutil
 import time
 
@@ -132,20 +133,25 @@ def test_a_stopped_run_saves_its_last_step_and_resumes_from_it(reference, tmp_pa
     import signal
     from jaxhybrid import distributed
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    exits = queue.Queue()
+
+    fake_exit = exits.put         # what the watcher thread would exit the process with
     try:
-        distributed.stop_on_signals()
+        distributed.stop_on_signals(grace_s=0.5, _exit=fake_exit)
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
-        # One of several processes: exits at once, naming itself (a Ctrl-C to one left
-        # the others waiting 300 s in a checkpoint barrier, then blamed process 0).
+        assert exits.get(timeout=10) == 143      # had the main thread not stopped
+        # One of several processes: exits at once, naming itself, even while the main
+        # thread waits in a collective (a Ctrl-C to one left the others waiting 300 s
+        # in a checkpoint barrier, then blamed process 0).
         with monkeypatch.context() as m:
             m.setattr(jax, "process_count", lambda: 2)
             m.setattr(jax, "process_index", lambda: 1)
-            m.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
-            distributed.stop_on_signals()
-            with pytest.raises(SystemExit, match="130"):
-                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            distributed.stop_on_signals(_exit=fake_exit)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert exits.get(timeout=10) == 130
     finally:
+        signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
     with monkeypatch.context() as m:
