@@ -299,6 +299,22 @@ def test_train_step_refuses_optimizers_that_are_not_per_element():
             pipe.train_step(mse, tx)
         with pytest.raises(ValueError, match="per element"):
             pipe.init_optimizer(tx, variables)
+    # Decisions from all parameters: apply_if_finite skipped the step on the stage with a
+    # nan only (and reported stage 0's counts); D-Adaptation's step size came from one
+    # device's buffers (params 15% off after seven calls).
+    for tx in [optax.apply_if_finite(optax.sgd(0.1), 3),
+               optax.contrib.dadapt_adamw(1.0, estim_lr0=0.05)]:
+        with pytest.raises(ValueError, match="per element.*value_and_grad"):
+            pipe.train_step(mse, tx)
+    # Failed inside the step: a state that is neither per parameter nor scalar, a mask
+    # packed for all stages (what jaxhybrid.optim.weight_decay_mask makes).
+    with pytest.raises(ValueError, match=r"neither per parameter nor a scalar \(shapes"):
+        pipe.train_step(mse, optax.contrib.mechanize(optax.sgd(0.1)))
+    from jaxhybrid import optim
+    mask = optim.weight_decay_mask(pipe, variables)
+    tx = optax.chain(optax.masked(optax.add_decayed_weights(0.1), mask), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="one device.s packed buffers.*apply the optimizer outside"):
+        pipe.train_step(mse, tx)
 
 
 def test_train_step_names_a_wrong_opt_state():

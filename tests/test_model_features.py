@@ -282,7 +282,8 @@ def test_sample_inputs_split_the_model_on_one_microbatch():
     x, t = _batch()
     model = MapsExamples()
     variables = model.init(jax.random.key(2), x)
-    _split_step_matches(model, variables, x, t, sample_inputs=x, boundaries=[2])
+    with pytest.warns(UserWarning, match="if they are batch-major, ignore this"):
+        _split_step_matches(model, variables, x, t, sample_inputs=x, boundaries=[2])
 
 
 # --- time-major inputs ------------------------------------------------------------------

@@ -112,20 +112,29 @@ def initial_versions(policy: str, size: int, params: dict):
 def check_per_element(optimizer, param_len: dict) -> None:
     """A ValueError unless `optimizer` acts element by element, as the U tasks need: each
     runs it on one device's packed buffers (with zero=1 on one data shard of them), where a
-    global-norm clip or a per-leaf trust ratio (lamb, lars) silently gave other numbers
-    than on the whole model. Probed on two halves of the packed keys versus the whole, two
-    updates (the first with one half 1e6 times larger, so that any clip bites). A probe
-    the optimizer cannot run (its own checks) is left to the real call to report."""
+    global-norm clip, a per-leaf trust ratio (lamb, lars), a step size estimated from the
+    whole model (D-Adaptation, Prodigy) or a skip decided by all gradients
+    (apply_if_finite) silently gave other numbers than on the whole model. Probed on two
+    halves of the packed keys versus the whole over five updates (the first with one half
+    1e6 times larger, so that any clip bites), and once with a non-finite gradient in one
+    half. Then the optimizer is run abstractly on one device's buffers, as the U tasks
+    run it, and its state must be per parameter or scalars. A probe the optimizer cannot
+    run on these small arrays (its own checks) is left to the real call to report."""
     import numpy as np
     if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
         raise ValueError(f"Pipeline: optimizer must be an optax.GradientTransformation (e.g. "
                          f"optax.adam(1e-3)), got {type(optimizer).__name__}; for gradients "
                          f"alone use pipe.value_and_grad(loss_fn).")
+    _check_on_device_buffers(optimizer, param_len)
     rs = np.random.RandomState(0)
     keys = sorted(param_len)
     draw = lambda *scale: {k: np.concatenate([rs.randn(3) * s for s in scale]).astype(np.float32)
                            for k in keys}
-    params, g1, g2 = draw(1, 1), draw(1e6, 1), draw(1e-3, 1e-3)
+    params = draw(1, 1)
+    grads = [draw(1e6, 1), draw(1e-3, 1e-3), draw(1, 1), draw(0.1, 3), draw(1, 1)]
+    nonfinite = [draw(1, 1), {k: v.copy() for k, v in draw(1, 1).items()}]
+    for v in nonfinite[1].values():
+        v[4] = np.nan
     half = lambda tree, h: {k: v[3 * h:3 * h + 3] for k, v in tree.items()}
 
     def run(p, grads):
@@ -136,11 +145,12 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return out
     as_2d = lambda tree: {k: v.reshape(2, 3) for k, v in tree.items()}
     try:
-        whole = run(params, [g1, g2])
-        parts = [run(half(params, h), [half(g1, h), half(g2, h)]) for h in (0, 1)]
+        whole = run(params, grads) + run(params, nonfinite)
+        parts = [run(half(params, h), [half(g, h) for g in grads])
+                 + run(half(params, h), [half(g, h) for g in nonfinite]) for h in (0, 1)]
         # The same numbers as (2, 3) buffers: what reads the shapes (a mask such as
         # `lambda p: tree.map(lambda a: a.ndim > 1, p)`) decided by the packed buffers'.
-        squares = run(as_2d(params), [as_2d(g1), as_2d(g2)])
+        squares = run(as_2d(params), [as_2d(g) for g in grads])
     except TypeError as e:
         if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
             raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
@@ -149,10 +159,12 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return
     except Exception:   # noqa: BLE001 - see the docstring
         return
+    close = lambda got, want: np.allclose(got, want, rtol=1e-4, equal_nan=True, atol=1e-6 * (
+        np.nanmax(np.abs(want)) if np.isfinite(want).any() else 1.0))
     for step, u in enumerate(whole):
         for k in keys:
-            if not np.allclose(np.asarray(squares[step][k]).reshape(-1), np.asarray(u[k]),
-                               rtol=1e-4, atol=1e-6 * np.abs(np.asarray(u[k])).max()):
+            if step < len(squares) and not close(np.asarray(squares[step][k]).reshape(-1),
+                                                 np.asarray(u[k])):
                 raise ValueError(
                     "Pipeline: this optimizer acts by the parameters' shapes (e.g. a weight-"
                     "decay mask like lambda p: jax.tree.map(lambda a: a.ndim > 1, p)): in "
@@ -160,14 +172,47 @@ def check_per_element(optimizer, param_len: dict) -> None:
                     "silently decay all or nothing; use pipe.value_and_grad and apply it to "
                     "pipe.unpack(grads) (per layer), or drop the mask.")
             got = np.concatenate([np.asarray(parts[0][step][k]), np.asarray(parts[1][step][k])])
-            want = np.asarray(u[k])
-            if not np.allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max()):
+            if not close(got, np.asarray(u[k])):
                 raise ValueError(
                     "Pipeline: this optimizer does not act per element (e.g. "
-                    "clip_by_global_norm, lamb/lars trust ratios): in train_step it would see "
-                    "one device's packed buffers and silently differ from the unsplit model; "
-                    "use pipe.value_and_grad and apply it outside, to the packed gradients "
-                    "(global norms are the model's) or to pipe.unpack(grads) (per layer).")
+                    "clip_by_global_norm, lamb/lars trust ratios, a step size estimated "
+                    "from all parameters as in D-Adaptation or Prodigy, apply_if_finite): in "
+                    "train_step it would see one device's packed buffers and silently "
+                    "differ from the unsplit model; use pipe.value_and_grad and apply it "
+                    "outside, to the packed gradients (global norms are the model's) or to "
+                    "pipe.unpack(grads) (per layer).")
+
+
+def _check_on_device_buffers(optimizer, param_len: dict) -> None:
+    """`optimizer` run abstractly on one device's packed buffers, as a U task runs it: a
+    mask packed for all stages (`jaxhybrid.optim.weight_decay_mask`: [stages, length])
+    failed inside the step ("cond branches must have equal output types"), and so did a
+    state leaf that is neither a scalar nor parameter-shaped (its slots are placed like
+    the parameter buffers)."""
+    from jaxhybrid.pipeline.packing import dtype_of
+    buffers = {k: jax.ShapeDtypeStruct((n,), dtype_of(k)) for k, n in param_len.items()}
+    fix = ("train_step runs the optimizer on each device's packed buffers, not per-layer "
+           "trees; use pipe.value_and_grad and apply the optimizer outside (as "
+           "scripts/train.py does, with jaxhybrid.optim.weight_decay_mask for a mask)")
+    try:
+        state = jax.eval_shape(optimizer.init, buffers)
+        updates, _ = jax.eval_shape(optimizer.update, buffers, state, buffers)
+    except (TypeError, ValueError) as e:
+        if "required keyword-only argument" in str(e):
+            return                                     # check_per_element says it
+        raise ValueError(f"Pipeline: the optimizer fails on one device's packed buffers "
+                         f"({str(e).splitlines()[0][:160]}), e.g. a mask of the layers or "
+                         f"one packed for all stages; {fix}.") from e
+    got = {k: tuple(a.shape) for k, a in updates.items()} if isinstance(updates, dict) else {}
+    if got != {k: (n,) for k, n in param_len.items()}:
+        raise ValueError(f"Pipeline: the optimizer's updates on one device's packed buffers "
+                         f"are not shaped like them ({got} for {dict(param_len)}), e.g. a "
+                         f"mask packed for all stages; {fix}.")
+    shapes = {(n,) for n in param_len.values()}
+    odd = [a.shape for a in jax.tree.leaves(state) if a.ndim and a.shape not in shapes]
+    if odd:
+        raise ValueError(f"Pipeline: the optimizer keeps state that is neither per parameter "
+                         f"nor a scalar (shapes {odd[:3]}); {fix}.")
 
 
 def check_remat(sched, programs) -> None:
@@ -214,5 +259,6 @@ def init_on_packed(init, params):
         raise ValueError(f"Pipeline: the optimizer's init failed on the packed parameters "
                          f"{shapes} ({str(e).splitlines()[0]}); in the pipeline it sees packed "
                          f"buffers, not per-layer trees: pack a mask or label tree like them "
-                         f"(as jaxhybrid.optim.weight_decay_mask does) or make it a function "
-                         f"of the packed tree.") from e
+                         f"(as jaxhybrid.optim.weight_decay_mask does, for an optimizer "
+                         f"applied outside the pipeline) or make it a function of the packed "
+                         f"tree.") from e
