@@ -183,8 +183,12 @@ def test_tables_bound_versions_and_staleness():
         assert sum(t.kind == TaskType.U for t in pd.tasks) == S_ * M
         assert asynchronous.updates_per_call(make_schedule("2bw", S_, M)) == M // (2 * S_)
         assert asynchronous.updates_per_call(make_schedule("2bw", S_, M, window=M)) == 1
-    with pytest.raises(ValueError, match="gradient window of at least"):
+    with pytest.raises(ValueError, match="gradient window of at least 6 .*: window=8"):
         make_schedule("2bw", 4, 16, window=4)
+    # Stage 1 fails first at window 2: its own count (4) was named, and window=4 then
+    # failed on stage 0 with "at least 6".
+    with pytest.raises(ValueError, match="gradient window of at least 6 .*: window=8"):
+        make_schedule("2bw", 4, 16, window=2)
     with pytest.raises(ValueError, match="multiple of"):
         make_schedule("2bw", 4, 12, window=8)
     with pytest.raises(ValueError, match="version"):

@@ -198,12 +198,17 @@ def _two_buffer_versions(sched: Schedule) -> dict:
         elif t.kind == TaskType.B:
             v = seen[(t.stage, t.microbatch)]
             if done[t.device] > v + 1:
-                need = sched.stage_in_flight()[t.stage] - 1   # updates a window may span
+                # The most other microbatches any stage has in flight (stage 0's): the
+                # failing stage's count was named, and its window then failed on stage 0.
+                need = int(max(sched.stage_in_flight())) - 1
+                M = sched.num_microbatches
+                fits = [w for w in range(need, M + 1) if M % w == 0]
                 raise ValueError(f"{sched.name}: microbatch {t.microbatch}'s backward on "
                                  f"stage {t.stage} needs weight version {v}, overwritten by "
-                                 f"then; use a gradient window of at least {need} (the "
-                                 f"stage's other microbatches in flight) that divides "
-                                 f"M={sched.num_microbatches}.")
+                                 f"then; use a gradient window of at least {need} (the other "
+                                 f"microbatches stage 0 has in flight) that divides M={M}: "
+                                 + (f"window={fits[0]}." if fits else
+                                    f"none does, so use num_microbatches >= {need}."))
             slots[(TaskType.B, t.stage, t.microbatch)] = v % 2
         elif t.kind == TaskType.U:
             done[t.device] += 1
