@@ -315,3 +315,25 @@ def test_a_scan_over_the_leading_axis_warns_of_time_major_inputs():
         warnings.simplefilter("error")
         jp.Pipeline(Recurrent(False), mesh=mesh, num_microbatches=2).init(
             jax.random.key(1), jnp.ones((16, 5, D)))       # [B=16, T=5]
+
+
+def test_a_split_models_step_names_bad_targets_inputs_and_losses_first():
+    # The splitter's loss check ran first: targets of another batch size were blamed on
+    # loss_fn, inputs unlike init's gave flax's ScopeParamShapeError, and a (loss, aux)
+    # loss failed inside jnp.asarray 18 frames deep.
+    class Positional(nn.Module):
+        @nn.compact
+        def __call__(self, x):                     # x [b, T, D]
+            pos = self.param("pos", nn.initializers.normal(), x.shape[1:])
+            return nn.Dense(D)(jnp.tanh(nn.Dense(16)(x + pos)))
+
+    x, t = jnp.ones((8, 6, D)), jnp.zeros((8, 6, D))
+    pipe = jp.Pipeline(Positional(), mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2)
+    variables = pipe.init(jax.random.key(1), x)
+    step = pipe.value_and_grad(mse)
+    with pytest.raises(ValueError, match="inputs have batch 8, targets 4; pass one target row"):
+        step(variables, x, t[:4])
+    with pytest.raises(ValueError, match="do not fit the packed variables.*sample_inputs"):
+        step(variables, jnp.ones((8, 12, D)), jnp.zeros((8, 12, D)))
+    with pytest.raises(ValueError, match="loss_fn returned a tuple; it must return the loss"):
+        pipe.value_and_grad(lambda y, t: (mse(y, t), {"acc": jnp.float32(0)}))(variables, x, t)

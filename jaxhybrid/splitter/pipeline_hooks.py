@@ -158,13 +158,30 @@ class ModelSplitter:
         return wrapped
 
     def _check_loss(self, pipe, loss_fn, inputs, targets):
+        """loss_fn against the model's outputs, before the step is traced. Only for
+        inputs and targets the pipeline's own checks would pass (one batch size, a
+        multiple of the microbatch count, arrays): for others those checks say what is
+        wrong (this check blamed loss_fn for targets of another batch size, and gave
+        flax's or numpy's errors for misshapen or list inputs)."""
         n = pipe.data * pipe.num_microbatches
+        leaves = jax.tree.leaves(inputs) + jax.tree.leaves(targets)
+        if not all(hasattr(l, "shape") and np.ndim(l) for l in leaves):
+            return
+        sizes = {np.shape(l)[0] for l in leaves}
+        if len(sizes) != 1 or sizes.pop() % n:
+            return   # the pipeline reports batch sizes itself
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             (np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.asarray(a).dtype), tree)
         key = (loss_fn, str(mb(inputs)), str(mb(targets)))
-        if key in self._checked or any(np.shape(l)[0] % n for l in jax.tree.leaves(inputs)):
-            return   # the pipeline reports batch sizes itself
-        out = self.split.output_shape(mb(inputs))
+        if key in self._checked:
+            return
+        try:
+            with pipe._fit_hint():          # inputs unlike init's: the shapes' one line
+                out = self.split.output_shape(mb(inputs))
+        except ValueError:
+            raise
+        except Exception:   # noqa: BLE001 - the step's own checks name the fault
+            return
         try:
             jax.eval_shape(loss_fn, out, mb(targets))
         except Exception as e:  # noqa: BLE001 - any failure means the same fix
