@@ -306,6 +306,19 @@ def test_train_step_refuses_optimizers_that_are_not_per_element():
                optax.contrib.dadapt_adamw(1.0, estim_lr0=0.05)]:
         with pytest.raises(ValueError, match="per element.*value_and_grad"):
             pipe.train_step(mse, tx)
+    # By name or size (the usual "no decay on biases and scales"): the mask saw the packed
+    # keys and sizes, and decayed or froze other parameters than on the unsplit model.
+    by_path = lambda p: jax.tree_util.tree_map_with_path(
+        lambda path, a: "bias" not in jax.tree_util.keystr(path), p)
+    for tx in [optax.adamw(0.1, weight_decay=0.1, mask=by_path),
+               optax.adamw(0.1, weight_decay=0.1,
+                           mask=lambda p: jax.tree.map(lambda a: a.size > 16, p)),
+               optax.multi_transform({"on": optax.sgd(0.1), "off": optax.set_to_zero()},
+                                     lambda p: jax.tree_util.tree_map_with_path(
+                                         lambda path, a: "scale" in str(path) and "off" or "on",
+                                         p))]:
+        with pytest.raises(ValueError, match="names or sizes.*pipe.unpack"):
+            pipe.train_step(mse, tx)
     # Failed inside the step: a state that is neither per parameter nor scalar, a mask
     # packed for all stages (what jaxhybrid.optim.weight_decay_mask makes).
     with pytest.raises(ValueError, match=r"neither per parameter nor a scalar \(shapes"):

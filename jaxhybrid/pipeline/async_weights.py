@@ -151,6 +151,15 @@ def check_per_element(optimizer, param_len: dict) -> None:
         # The same numbers as (2, 3) buffers: what reads the shapes (a mask such as
         # `lambda p: tree.map(lambda a: a.ndim > 1, p)`) decided by the packed buffers'.
         squares = run(as_2d(params), [as_2d(g) for g in grads])
+        # Under a parameter's name, and inside a large buffer: what reads names (a decay
+        # mask by path, multi_transform labels) or sizes (`a.size > 16`) saw the packed
+        # keys ("float32") and sizes, and silently decayed or froze other parameters.
+        k0 = keys[0]
+        one = lambda tree, name: {name: tree[k0]}
+        named = [run(one(params, name), [one(g, name) for g in grads])
+                 for name in ("kernel", "bias", "scale", "embedding")]
+        big = lambda v: np.concatenate([v, rs.randn(1 << 16).astype(np.float32)])
+        large = run({k0: big(params[k0])}, [{k0: big(g[k0])} for g in grads])
     except TypeError as e:
         if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
             raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
@@ -181,7 +190,19 @@ def check_per_element(optimizer, param_len: dict) -> None:
                     "differ from the unsplit model; use pipe.value_and_grad and apply it "
                     "outside, to the packed gradients (global norms are the model's) or to "
                     "pipe.unpack(grads) (per layer).")
-
+    for step in range(len(grads)):
+        want = np.asarray(whole[step][k0])
+        seen = [np.asarray(u[step][name]) for u, name in
+                zip(named, ("kernel", "bias", "scale", "embedding"))]
+        if not all(close(got, want) for got in seen) or not close(
+                np.asarray(large[step][k0])[:want.size], want):
+            raise ValueError(
+                f"Pipeline: this optimizer acts by the parameters' names or sizes (e.g. a "
+                f"weight-decay mask by path, multi_transform labels by name, a mask by "
+                f"a.size): in train_step it sees packed buffers ({', '.join(keys)}), not the "
+                f"model's variables, and would silently apply to other parameters; use "
+                f"pipe.value_and_grad and apply it to pipe.unpack(grads) (per layer), or "
+                f"drop the mask.")
 
 def _check_on_device_buffers(optimizer, param_len: dict) -> None:
     """`optimizer` run abstractly on one device's packed buffers, as a U task runs it: a
