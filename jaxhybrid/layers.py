@@ -126,8 +126,8 @@ def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) 
         # jax.value_and_grad(has_aux=True)'s habit: (loss, {"acc": ...}) failed inside
         # jnp.asarray 18 frames deep, and (loss, 1.0) was called "shape (2,)".
         raise ValueError(f"{who}: loss_fn returned a {type(raw).__name__}; it must return "
-                         f"the loss alone, a float scalar ({what}): compute auxiliary "
-                         f"values (accuracy, ...) outside, e.g. from pipe.apply.")
+                         f"a scalar, the loss alone ({what}): compute auxiliary values "
+                         f"(accuracy, ...) outside, e.g. from pipe.apply.")
     dtype = getattr(raw, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         # jax.grad refuses an integer output; cast to float32 here it had zero gradients.

@@ -335,5 +335,5 @@ def test_a_split_models_step_names_bad_targets_inputs_and_losses_first():
         step(variables, x, t[:4])
     with pytest.raises(ValueError, match="do not fit the packed variables.*sample_inputs"):
         step(variables, jnp.ones((8, 12, D)), jnp.zeros((8, 12, D)))
-    with pytest.raises(ValueError, match="loss_fn returned a tuple; it must return the loss"):
+    with pytest.raises(ValueError, match="loss_fn returned a tuple; it must return a scalar, the loss"):
         pipe.value_and_grad(lambda y, t: (mse(y, t), {"acc": jnp.float32(0)}))(variables, x, t)
