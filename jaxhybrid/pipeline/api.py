@@ -18,7 +18,7 @@ from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import async_weights, layouts, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
-                                         checked_zero, rng_hint)
+                                         checked_zero, one_microbatch, rng_hint)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
@@ -135,10 +135,7 @@ class Pipeline(PipelineVariables):
     # --- planning -------------------------------------------------------------------
     def _microbatch_sample(self, sample_inputs):
         """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
-        b = batch_size_of(sample_inputs, "sample_inputs")
-        n = self.data * self.num_microbatches
-        rows = b // n if b % n == 0 else b
-        return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs)
+        return one_microbatch(sample_inputs, self.data * self.num_microbatches)
 
     def _layer_costs(self):
         return (_profile_cached(self.layers, self._sample) if self.splitter is None
@@ -160,7 +157,7 @@ class Pipeline(PipelineVariables):
         """The user's remat as one bool per layer for the planner to predict (it reported
         its own choice, nothing recomputed, whatever ran); None where the planner chooses
         or a stage runs a jax.checkpoint policy (not modelled: counted as no remat)."""
-        if self.remat == "auto" or (isinstance(self.remat, str) and self.remat == "none"):
+        if isinstance(self.remat, str) and self.remat in ("auto", "none"):
             return None
         out = []
         for prog in self.programs:
@@ -209,8 +206,8 @@ class Pipeline(PipelineVariables):
         return [[i for k in range(self.num_stages) if sd[k] == d for i in range(*self.ranges[k])]
                 for d in range(self.pipe_size)]
 
-    def _set_layer_vars(self, per_layer: Sequence[dict]) -> None:
-        abstract = self.abstract_layer_vars(per_layer)
+    def _set_layer_vars(self, abstract: list[dict]) -> None:
+        """Lays the buffers out for per-layer variables given as `abstract_layer_vars`."""
         self._layer_vars = abstract
         colls = sorted({c for v in abstract for c in v})
         self.state_collections = [c for c in colls if c != "params"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -124,6 +125,14 @@ def batch_size_of(tree: PyTree, what: str) -> int:
             f"that is not per-example (a temperature, a table) as a constant, e.g. in "
             f"call_kwargs=, or tile it to the batch.")
     return batch.pop()
+
+
+def one_microbatch(sample: PyTree, n: int) -> PyTree:
+    """The first microbatch of `sample` when it divides into `n` (data x microbatches),
+    else `sample` as given (one microbatch already, or one example)."""
+    b = batch_size_of(sample, "sample_inputs")
+    rows = b // n if b % n == 0 else b
+    return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample)
 
 
 @contextlib.contextmanager

@@ -109,6 +109,10 @@ def initial_versions(policy: str, size: int, params: dict):
     return _save(ring, 0, params)
 
 
+# Parameter names a name-based mask or label function tells apart (check_per_element).
+_NAMES = ("kernel", "bias", "scale", "embedding")
+
+
 def check_per_element(optimizer, param_len: dict) -> None:
     """A ValueError unless `optimizer` acts element by element, as the U tasks need: each
     runs it on one device's packed buffers (with zero=1 on one data shard of them), where a
@@ -156,8 +160,7 @@ def check_per_element(optimizer, param_len: dict) -> None:
         # keys ("float32") and sizes, and silently decayed or froze other parameters.
         k0 = keys[0]
         one = lambda tree, name: {name: tree[k0]}
-        named = [run(one(params, name), [one(g, name) for g in grads])
-                 for name in ("kernel", "bias", "scale", "embedding")]
+        named = [run(one(params, name), [one(g, name) for g in grads]) for name in _NAMES]
         big = lambda v: np.concatenate([v, rs.randn(1 << 16).astype(np.float32)])
         large = run({k0: big(params[k0])}, [{k0: big(g[k0])} for g in grads])
     except TypeError as e:
@@ -192,8 +195,7 @@ def check_per_element(optimizer, param_len: dict) -> None:
                     "pipe.unpack(grads) (per layer).")
     for step in range(len(grads)):
         want = np.asarray(whole[step][k0])
-        seen = [np.asarray(u[step][name]) for u, name in
-                zip(named, ("kernel", "bias", "scale", "embedding"))]
+        seen = [np.asarray(u[step][name]) for u, name in zip(named, _NAMES)]
         if not all(close(got, want) for got in seen) or not close(
                 np.asarray(large[step][k0])[:want.size], want):
             raise ValueError(
@@ -203,6 +205,7 @@ def check_per_element(optimizer, param_len: dict) -> None:
                 f"model's variables, and would silently apply to other parameters; use "
                 f"pipe.value_and_grad and apply it to pipe.unpack(grads) (per layer), or "
                 f"drop the mask.")
+
 
 def _check_on_device_buffers(optimizer, param_len: dict) -> None:
     """`optimizer` run abstractly on one device's packed buffers, as a U task runs it: a

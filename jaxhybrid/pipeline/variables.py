@@ -108,12 +108,11 @@ class PipelineVariables:
                                  self._model_shard(i, c, tree, 0)) for c, tree in dict(v).items()}
                 for i, v in enumerate(per_layer)]
 
-    def _check_like_layout(self, per_layer: list[dict]) -> None:
+    def _check_like_layout(self, abstract: list[dict]) -> None:
         """Refuses variables unlike the layout's, naming the first difference: they were
         packed into a new layout, the step then blamed the inputs, and the variables
         `init` had made no longer fitted."""
-        for i, (got, want) in enumerate(zip(self.abstract_layer_vars(per_layer),
-                                            self._layer_vars)):
+        for i, (got, want) in enumerate(zip(abstract, self._layer_vars)):
             if got == want:
                 continue
             g = dict(jax.tree_util.tree_flatten_with_path(got)[0])
@@ -130,9 +129,10 @@ class PipelineVariables:
 
     def _pack(self, per_layer: Sequence[dict], check: bool = False) -> dict:
         per_layer = self._checked_layer_vars(per_layer, "pack")
+        abstract = self.abstract_layer_vars(per_layer)
         if check:
-            self._check_like_layout(per_layer)
-        self._set_layer_vars(per_layer)
+            self._check_like_layout(abstract)
+        self._set_layer_vars(abstract)
         sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
         for c in ["params", *self.state_collections]:
@@ -149,7 +149,8 @@ class PipelineVariables:
         """Lays the buffers out for per-layer variables given by shape alone (e.g.
         `init_layer_shapes`), as `pack` would for their values: the step can then be
         traced and compiled (on `abstract_variables`) before the values exist."""
-        self._set_layer_vars(self._checked_layer_vars(per_layer, "set_layer_shapes"))
+        self._set_layer_vars(self.abstract_layer_vars(
+            self._checked_layer_vars(per_layer, "set_layer_shapes")))
 
     def abstract_variables(self) -> dict:
         """What `pack` returns, as jax.ShapeDtypeStructs with the same shardings."""

@@ -23,11 +23,7 @@ import json
 import re
 
 from jaxhybrid.plan import costs as plan_costs
-from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
-
-
-def _is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
+from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -59,7 +55,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                 full = list(vals)
                 for n, v in zip(_diff, d):
                     full[n] = v
-                return [y for y in _fwd(*full) if jnp.issubdtype(y.dtype, jnp.inexact)]
+                return [y for y in _fwd(*full) if _is_float(y)]
             ys, pull = jax.vjp(f, *[vals[n] for n in _diff])
             return pull([jnp.ones_like(y) for y in ys])
 

@@ -44,13 +44,10 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs, num_microbatches=1):
     stages = int(dict(getattr(mesh, "shape", {})).get("pipe", 1))
     s = ModelSplitter(layers, call_kwargs, None)
     if sample_inputs is not None:
-        shape = dict(getattr(mesh, "shape", {}))
-        n = int(shape.get("data", 1)) * (num_microbatches if isinstance(num_microbatches, int)
-                                         and num_microbatches > 0 else 1)
-        leaves = jax.tree.leaves(sample_inputs)
-        b = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
-        rows = b // n if b % n == 0 else b      # as Pipeline._microbatch_sample takes it
-        s.split_at(jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample_inputs), stages)
+        from jaxhybrid.pipeline.arguments import one_microbatch   # as init takes it
+        m = num_microbatches if isinstance(num_microbatches, int) and num_microbatches > 0 else 1
+        s.split_at(one_microbatch(sample_inputs, int(dict(getattr(mesh, "shape", {})).get(
+            "data", 1)) * m), stages)
         return s, s.split.layers
     # Enough stand-ins for any stage count (virtual stages included) until the split.
     return s, [_PendingPiece()] * max(256, stages)
