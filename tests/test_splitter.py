@@ -263,6 +263,9 @@ def test_train_step_of_a_tied_model_updates_its_copies_as_one():
         native["params"]), native["params"])[0])
     _close(pipe.unpack(new)["params"], want, "params after train_step")
     _close(pipe.unpack({**variables, "params": got_grads})["params"], ref_grads[0], "grads")
+    # Its dropout without rng=: the message named value_and_grad, which the user never called.
+    with pytest.raises(ValueError, match=r"pass rng=: pipe\.train_step\(loss_fn, optimizer\)"):
+        pipe.train_step(xent, tx)(variables, pipe.init_optimizer(tx, variables), x, t)
     async_pipe = jp.Pipeline(pipe.splitter.split, mesh=pipe.mesh, num_microbatches=2,
                              schedule="spectrain", boundaries=pipe.boundaries, remat="none")
     async_pipe.pack(native)

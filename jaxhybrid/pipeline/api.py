@@ -18,7 +18,8 @@ from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import async_weights, layouts, packing, programs, runtime, tables, zero
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
-                                         checked_zero, one_microbatch, rng_hint)
+                                         checked_zero, one_microbatch, rng_hint,
+                                         TRAIN_STEP_CALL)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
@@ -422,8 +423,7 @@ class Pipeline(PipelineVariables):
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state, not self.zero)
-            with rng_hint("train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"), \
-                    self._fit_hint():
+            with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)
 
         step.lower = jitted.lower

@@ -3,6 +3,7 @@ names the fix, raised before anything is traced or compiled."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any
 
 import flax
@@ -135,16 +136,28 @@ def one_microbatch(sample: PyTree, n: int) -> PyTree:
     return jax.tree.map(lambda a: jnp.asarray(a)[:rows], sample)
 
 
+# The step a missing rng's message names for train_step (also for a tied model's, which
+# runs value_and_grad inside).
+TRAIN_STEP_CALL = "train_step(loss_fn, optimizer)(variables, opt, inputs, targets, rng=key)"
+# The outermost call in progress: a step built on another (a tied model's train_step runs
+# value_and_grad) names the call the user made, not the one inside.
+_OUTER_CALL: contextvars.ContextVar = contextvars.ContextVar("rng_hint_call", default=None)
+
+
 @contextlib.contextmanager
 def rng_hint(call: str, train: bool = True):
     """flax's missing-rng error names a module, not the fix; name the fix (for the mode
     the call runs in: a VAE samples in evaluation mode too)."""
+    token = _OUTER_CALL.set(_OUTER_CALL.get() or call)
     try:
         yield
     except flax.errors.InvalidRngError as e:
         mode = "while training" if train else "in evaluation mode (train=False)"
         raise ValueError(f"Pipeline: a layer draws random numbers (e.g. Dropout) {mode}; "
-                         f"pass rng=: pipe.{call}. ({str(e).splitlines()[0]})") from e
+                         f"pass rng=: pipe.{_OUTER_CALL.get()}. ({str(e).splitlines()[0]})"
+                         ) from e
+    finally:
+        _OUTER_CALL.reset(token)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, rng_hint
 from jaxhybrid.splitter.model import SplitModel
 from jaxhybrid.splitter.trace import is_flax_module
 
@@ -141,7 +142,8 @@ class ModelSplitter:
             value_and_grad, update = pipe.value_and_grad(loss_fn, **kwargs), {}
 
             def tied_step(variables, opt_state, inputs, targets, rng=None):
-                loss, grads, new = value_and_grad(variables, inputs, targets, rng)
+                with rng_hint(TRAIN_STEP_CALL):
+                    loss, grads, new = value_and_grad(variables, inputs, targets, rng)
                 if not update:   # jitted once, keeping the buffers' and slots' placement
                     shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
                     update["f"] = jax.jit(functools.partial(_apply_optimizer, optimizer),
