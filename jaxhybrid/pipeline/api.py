@@ -15,7 +15,8 @@ from jaxhybrid.checks import is_int
 from jaxhybrid.layers import check_loss_fn, raw_key
 from jaxhybrid import distributed, tensor_parallel
 from jaxhybrid.mesh import DATA, MODEL, PIPE
-from jaxhybrid.pipeline import async_weights, layouts, packing, programs, runtime, tables, zero
+from jaxhybrid.pipeline import (async_weights, layouts, optimizer_checks, packing, programs,
+                                runtime, tables, zero)
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
                                          checked_zero, one_microbatch, rng_hint,
@@ -390,7 +391,7 @@ class Pipeline(PipelineVariables):
         zero=1 also over "data", see `jaxhybrid.pipeline.zero`); for an asynchronous
         schedule, of the optimizer its U tasks run (`async_weights`)."""
         self._require_vars()
-        async_weights.check_per_element(optimizer, self.param_len)
+        optimizer_checks.check_per_element(optimizer, self.param_len)
         optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
                                                      self.num_microbatches)
         return async_weights.init_on_packed(lambda p: zero.init_optimizer(
@@ -402,10 +403,10 @@ class Pipeline(PipelineVariables):
         after each device's last backward (gradients averaged over "data" first). The
         optimizer must act per parameter (optax's adam, sgd, masked weight decay...):
         it sees one device's buffers at a time, so a global-norm clip would see a part
-        (refused: `async_weights.check_per_element`)."""
+        (refused: `optimizer_checks.check_per_element`)."""
         self._require_vars()
         check_loss_fn(loss_fn, "Pipeline.train_step")
-        async_weights.check_per_element(optimizer, self.param_len)
+        optimizer_checks.check_per_element(optimizer, self.param_len)
         async_weights.check_remat(self.schedule, self.programs)
         expected_state = async_weights.init_on_packed(functools.partial(
             jax.eval_shape, async_weights.pipeline_optimizer(

@@ -1,0 +1,166 @@
+"""Whether an optax optimizer may run inside the pipeline, as `train_step`'s U tasks run it.
+
+Each U task runs the optimizer on one device's packed buffers ({dtype: [length]}, with
+zero=1 on one data shard of them), not on the model's per-layer tree. An optimizer that
+looks beyond one element gives other numbers there than on the whole model, silently: a
+global-norm clip, a per-leaf trust ratio (lamb, lars), a step size estimated from all
+parameters (D-Adaptation, Prodigy), a skip decided by all gradients (apply_if_finite), a
+mask or label by the parameters' shapes, names or sizes. `check_per_element` probes the
+optimizer on small numpy trees and refuses such an optimizer, naming the fix
+(`pipe.value_and_grad` and the optimizer outside, on the packed or unpacked gradients).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+# Parameter names a name-based mask or label function tells apart.
+_NAMES = ("kernel", "bias", "scale", "embedding")
+_STEPS = 5   # finite updates probed (adaptive step sizes drift apart over a few)
+
+_NOT_PER_ELEMENT = (
+    "Pipeline: this optimizer does not act per element (e.g. clip_by_global_norm, "
+    "lamb/lars trust ratios, a step size estimated from all parameters as in D-Adaptation "
+    "or Prodigy, apply_if_finite): in train_step it would see one device's packed buffers "
+    "and silently differ from the unsplit model; use pipe.value_and_grad and apply it "
+    "outside, to the packed gradients (global norms are the model's) or to "
+    "pipe.unpack(grads) (per layer).")
+_BY_SHAPES = (
+    "Pipeline: this optimizer acts by the parameters' shapes (e.g. a weight-decay mask like "
+    "lambda p: jax.tree.map(lambda a: a.ndim > 1, p)): in train_step it sees packed "
+    "buffers, not the model's shapes, and would silently decay all or nothing; use "
+    "pipe.value_and_grad and apply it to pipe.unpack(grads) (per layer), or drop the mask.")
+
+
+def check_per_element(optimizer, param_len: dict) -> None:
+    """A ValueError unless `optimizer` acts element by element. It is run abstractly on
+    one device's buffers, then probed on numbers: two halves of the packed keys against
+    the whole over five updates (the first with one half 1e6 times larger, so that any
+    clip bites) and once with a non-finite gradient in one half; the same numbers as 2-D
+    buffers, under parameter names and inside a large buffer. A probe the optimizer
+    cannot run on these small arrays (its own checks) is left to the real call."""
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ValueError(f"Pipeline: optimizer must be an optax.GradientTransformation (e.g. "
+                         f"optax.adam(1e-3)), got {type(optimizer).__name__}; for gradients "
+                         f"alone use pipe.value_and_grad(loss_fn).")
+    _check_on_device_buffers(optimizer, param_len)
+    keys = sorted(param_len)
+    try:
+        runs = _probe_runs(optimizer, keys)
+    except TypeError as e:
+        if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
+            raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
+                             f"train_step calls update(grads, state, params) only: use "
+                             f"pipe.value_and_grad and apply it outside.") from e
+        return
+    except Exception:   # noqa: BLE001 - see the docstring
+        return
+    _check_elementwise(runs, keys)
+    _check_names_and_sizes(runs, keys)
+
+
+def _run(optimizer, params: dict, grads: list) -> list:
+    """The updates of `grads` applied in turn from a fresh state."""
+    state, out = optimizer.init(params), []
+    for g in grads:
+        u, state = optimizer.update(g, state, params)
+        out.append(u)
+    return out
+
+
+def _probe_runs(optimizer, keys: list) -> dict:
+    """The probe's updates: "whole" (every key, 6 elements), "parts" (its halves apart),
+    "squares" (as 2-D buffers), "named" (the first key under each of _NAMES), "large"
+    (the first key at the start of a large buffer)."""
+    rs = np.random.RandomState(0)
+    draw = lambda *scale: {k: np.concatenate([rs.randn(3) * s for s in scale]).astype(np.float32)
+                           for k in keys}
+    params = draw(1, 1)
+    grads = [draw(1e6, 1), draw(1e-3, 1e-3), draw(1, 1), draw(0.1, 3), draw(1, 1)][:_STEPS]
+    nonfinite = [draw(1, 1), draw(1, 1)]
+    for v in nonfinite[1].values():
+        v[4] = np.nan
+    half = lambda tree, h: {k: v[3 * h:3 * h + 3] for k, v in tree.items()}
+    as_2d = lambda tree: {k: v.reshape(2, 3) for k, v in tree.items()}
+    k0 = keys[0]
+    one = lambda tree, name: {name: tree[k0]}
+    big = lambda v: np.concatenate([v, rs.randn(1 << 16).astype(np.float32)])
+    return dict(
+        whole=_run(optimizer, params, grads) + _run(optimizer, params, nonfinite),
+        parts=[_run(optimizer, half(params, h), [half(g, h) for g in grads])
+               + _run(optimizer, half(params, h), [half(g, h) for g in nonfinite])
+               for h in (0, 1)],
+        # What reads the shapes (a mask such as `lambda p: tree.map(lambda a: a.ndim > 1,
+        # p)`) decided by the packed buffers'.
+        squares=_run(optimizer, as_2d(params), [as_2d(g) for g in grads]),
+        # What reads names (a decay mask by path, multi_transform labels) or sizes
+        # (`a.size > 16`) saw the packed keys ("float32") and sizes, and silently decayed
+        # or froze other parameters.
+        named=[_run(optimizer, one(params, name), [one(g, name) for g in grads])
+               for name in _NAMES],
+        large=_run(optimizer, {k0: big(params[k0])}, [{k0: big(g[k0])} for g in grads]))
+
+
+def _close(got, want) -> bool:
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    return np.allclose(got, want, rtol=1e-4, equal_nan=True, atol=1e-6 * (
+        np.nanmax(np.abs(want)) if np.isfinite(want).any() else 1.0))
+
+
+def _check_elementwise(runs: dict, keys: list) -> None:
+    whole, parts, squares = runs["whole"], runs["parts"], runs["squares"]
+    for step, u in enumerate(whole):
+        for k in keys:
+            if step < len(squares) and not _close(squares[step][k], u[k]):
+                raise ValueError(_BY_SHAPES)
+            got = np.concatenate([np.asarray(parts[0][step][k]), np.asarray(parts[1][step][k])])
+            if not _close(got, u[k]):
+                raise ValueError(_NOT_PER_ELEMENT)
+
+
+def _check_names_and_sizes(runs: dict, keys: list) -> None:
+    k0 = keys[0]
+    for step in range(len(runs["large"])):
+        want = np.asarray(runs["whole"][step][k0])
+        seen = [u[step][name] for u, name in zip(runs["named"], _NAMES)]
+        if not all(_close(got, want) for got in seen) or not _close(
+                np.asarray(runs["large"][step][k0])[:want.size], want):
+            raise ValueError(
+                f"Pipeline: this optimizer acts by the parameters' names or sizes (e.g. a "
+                f"weight-decay mask by path, multi_transform labels by name, a mask by "
+                f"a.size): in train_step it sees packed buffers ({', '.join(keys)}), not the "
+                f"model's variables, and would silently apply to other parameters; use "
+                f"pipe.value_and_grad and apply it to pipe.unpack(grads) (per layer), or "
+                f"drop the mask.")
+
+
+def _check_on_device_buffers(optimizer, param_len: dict) -> None:
+    """`optimizer` run abstractly on one device's packed buffers, as a U task runs it: a
+    mask packed for all stages (`jaxhybrid.optim.weight_decay_mask`: [stages, length])
+    failed inside the step ("cond branches must have equal output types"), and so did a
+    state leaf that is neither a scalar nor parameter-shaped (its slots are placed like
+    the parameter buffers)."""
+    from jaxhybrid.pipeline.packing import dtype_of
+    buffers = {k: jax.ShapeDtypeStruct((n,), dtype_of(k)) for k, n in param_len.items()}
+    fix = ("train_step runs the optimizer on each device's packed buffers, not per-layer "
+           "trees; use pipe.value_and_grad and apply the optimizer outside (as "
+           "scripts/train.py does, with jaxhybrid.optim.weight_decay_mask for a mask)")
+    try:
+        state = jax.eval_shape(optimizer.init, buffers)
+        updates, _ = jax.eval_shape(optimizer.update, buffers, state, buffers)
+    except (TypeError, ValueError) as e:
+        if "required keyword-only argument" in str(e):
+            return                                     # check_per_element says it
+        raise ValueError(f"Pipeline: the optimizer fails on one device's packed buffers "
+                         f"({str(e).splitlines()[0][:160]}), e.g. a mask of the layers or "
+                         f"one packed for all stages; {fix}.") from e
+    got = {k: tuple(a.shape) for k, a in updates.items()} if isinstance(updates, dict) else {}
+    if got != {k: (n,) for k, n in param_len.items()}:
+        raise ValueError(f"Pipeline: the optimizer's updates on one device's packed buffers "
+                         f"are not shaped like them ({got} for {dict(param_len)}), e.g. a "
+                         f"mask packed for all stages; {fix}.")
+    shapes = {(n,) for n in param_len.values()}
+    odd = [a.shape for a in jax.tree.leaves(state) if a.ndim and a.shape not in shapes]
+    if odd:
+        raise ValueError(f"Pipeline: the optimizer keeps state that is neither per parameter "
+                         f"nor a scalar (shapes {odd[:3]}); {fix}.")
