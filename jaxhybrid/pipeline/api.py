@@ -457,10 +457,12 @@ class Pipeline(PipelineVariables):
                                             self._control(forward_schedule(self.schedule)),
                                             train, rng is not None)
             state = {c: variables[c] for c in self.state_collections}
+            params = (variables["params"] if self.splitter is None
+                      else self.splitter.tie_params(self, variables["params"]))
             return jax.shard_map(body, mesh=self.mesh,
                                  in_specs=(self.stage_spec, self.stage_spec, P(DATA), P()),
                                  out_specs=P(DATA), check_vma=False)(
-                variables["params"], state, inputs, rng_arg)
+                params, state, inputs, rng_arg)
 
     def _forward_layouts(self, mb_in, train, rng):
         """Boundary layouts for forward-only runs (no residuals needed)."""

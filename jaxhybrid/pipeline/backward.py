@@ -4,7 +4,7 @@ W (weight gradient) without recomputing anything.
 `Residuals` turns the vjp function of a stage's forward into stashable leaves (parameters
 are not stashed: the backward re-reads them from the stage buffers). `SplitBackward`
 traces the backward once to a jaxpr and partitions its equations: B gets every equation
-the input gradient needs; W gets the rest of what the parameter gradient needs, reading
+the input gradient needs, and those with effects (callbacks); W gets the rest of what the parameter gradient needs, reading
 the values B computed that it uses (the intermediate cotangents) from a stash. So W runs
 no forward operation and repeats no B operation (`tests/test_schedules_runtime.py`
 checks its jaxpr).
@@ -175,6 +175,12 @@ class SplitBackward:
             return keep
 
         b_idx = needed(self._gx_out)
+        # Equations with effects and no output either half reads (a jax.debug.callback
+        # in a custom_vjp's backward, logging gradient norms) went into neither half and
+        # never ran: B runs them, with what they read.
+        for i, e in enumerate(jaxpr.eqns):
+            if e.effects and i not in b_idx:
+                b_idx |= {i} | needed(e.invars)
         w_idx = needed(self._gp_out) - b_idx
         self._b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
         self._w_eqns = [jaxpr.eqns[i] for i in sorted(w_idx)]

@@ -99,9 +99,9 @@ def floats(tree: PyTree) -> list:
 
 # --- one stage's forward and backward ---------------------------------------------------
 def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, gmb, loss_fn,
-                  num_microbatches: int, train: bool, residuals: Residuals,
+                  global_microbatches: int, train: bool, residuals: Residuals,
                   output_shape: list | None = None):
-    """Stage k under jax.vjp. Returns (loss / M on the last stage, else the output's float
+    """Stage k under jax.vjp. Returns (loss / (data x M) on the last stage, else the output's float
     leaves; kept residuals; new state; the output's other leaves). Appends the stage
     output's abstract tree (even the last stage's, whose loss it returns) to
     `output_shape` when given."""
@@ -114,7 +114,7 @@ def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, 
         if output_shape is not None:
             output_shape.append(jax.tree.map(_abstract, y))
         if last:
-            return microbatch_loss(loss_fn, y, tgt, num_microbatches), (new_state, [])
+            return microbatch_loss(loss_fn, y, tgt, global_microbatches), (new_state, [])
         yf, yi, _ = split_float(y)
         return yf, (new_state, yi)
 
@@ -167,7 +167,8 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
         def run(params, state, x, tgt, key, gmb, k=k, stage=stage, last=last,
                 output_shape=output_shape):
             return stage_forward(stage, k, last, params, state, x, tgt, key, gmb, loss_fn,
-                                 eng.num_microbatches, train, residuals, output_shape)
+                                 eng.data * eng.num_microbatches, train, residuals,
+                                 output_shape)
 
         closed, shapes = tensor_parallel.make_jaxpr(run, return_shape=True)(
             stage.abstract_params, stage.abstract_state, trees[k], mb_targets, rng, gmb)

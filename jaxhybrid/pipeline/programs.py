@@ -16,7 +16,8 @@ from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.layouts import StageLayouts
 from jaxhybrid.pipeline.runtime import (Engine, _local, _row, _send, _set_row,
-                                        _split_microbatches, _take, data_mean)
+                                        _split_microbatches, _take, data_mean,
+                                        data_sum)
 from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.pipeline.tables import COL, ControlTable
 
@@ -111,7 +112,7 @@ def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: b
             def loss_of(p):
                 out, new_state = stage.apply(p, state, x, train=train,
                                              rng=rng if has_rng else None, microbatch=d * M + m)
-                return microbatch_loss(loss_fn, out, y, M), new_state
+                return microbatch_loss(loss_fn, out, y, eng.data * M), new_state
 
             (loss, new_state), g = jax.value_and_grad(loss_of, has_aux=True)(params)
             acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
@@ -125,8 +126,8 @@ def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: b
             (state, grads, loss), _ = lax.scan(microbatch, (state, grads, loss), rest)
         g_bufs = packing.pack(stage.params, grads, eng.param_len)
         new_state = {c: packing.pack(stage.state[c], state[c], eng.state_len[c]) for c in stage.state}
-        mean = functools.partial(data_mean, eng.data)
-        return (mean(loss), {k: mean(v)[None] for k, v in g_bufs.items()},
+        mean, total = functools.partial(data_mean, eng.data), functools.partial(data_sum, eng.data)
+        return (total(loss), {k: total(v)[None] for k, v in g_bufs.items()},
                 {c: {k: mean(v)[None] for k, v in b.items()} for c, b in new_state.items()},
                 p_bufs, opt_state)
 

@@ -108,6 +108,12 @@ def _take(tree: PyTree, i) -> PyTree:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
+def data_sum(data: int, v: jax.Array) -> jax.Array:
+    """Sum over data replicas of a loss or gradient, each already its share of the global
+    mean (`stages.microbatch_loss`); data = 1 skips the all-reduce (see data_mean)."""
+    return v if data == 1 else lax.psum(v, DATA)
+
+
 def data_mean(data: int, v: jax.Array) -> jax.Array:
     """Mean over data replicas of a float value, floor of the mean of an integer one (a
     count in a state collection: left alone, each replica kept its own and the array
@@ -315,7 +321,7 @@ def _update_slot(job: Job, dev: Device, c: Carry, row, t):
 
 
 def _replicated_update(job: Job, dev: Device, c: Carry, row) -> Carry:
-    grads = {n: data_mean(job.eng.data, v) for n, v in c.acc.items()}
+    grads = {n: data_sum(job.eng.data, v) for n, v in c.acc.items()}
 
     def busy(params, opt_state, acc, applied, versions):
         import optax
@@ -414,10 +420,11 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                            {k: jnp.zeros_like(v) for k, v in p_bufs.items()}))
         c, _ = lax.scan(functools.partial(tick, job=job, dev=dev, kinds=ctl.kinds), c,
                         jnp.arange(ctl.table.shape[0]))
-        mean = functools.partial(data_mean, job.eng.data)
-        loss = mean(lax.psum(c.loss, PIPE))
+        mean, total = functools.partial(data_mean, job.eng.data), functools.partial(
+            data_sum, job.eng.data)
+        loss = total(lax.psum(c.loss, PIPE))
         acc = c.acc if c.applied is None else {k: c.applied[k] + v for k, v in c.acc.items()}
-        grads = {k: mean(v)[None] for k, v in acc.items()}
+        grads = {k: total(v)[None] for k, v in acc.items()}
         state = {col: {k: mean(v)[None] for k, v in b.items()} for col, b in c.state.items()}
         return (loss, grads, state, {k: v[None] for k, v in dev.params_of(c).items()},
                 jax.tree.map(_unsqueeze, c.opt_state))

@@ -6,8 +6,8 @@ elements (zero padded at the end). Replica d keeps only shard d of every optimiz
 (Adam's two moments: 2 x params / D per device instead of 2 x params). In a tick where
 some device updates (the runtime's tick-level flag: every replica issues the same
 collectives in the same order; none sits under a device's own row), `update_slot`:
-  1. reduce-scatters the accumulated gradient over "data" (`psum_scatter`, then / D):
-     replica d receives the data-mean of shard d only;
+  1. reduce-scatters the accumulated gradient over "data" (`psum_scatter`; each replica's
+     is its share of the global mean): replica d receives the mean's shard d only;
   2. runs the optimizer on (shard d of the params, that gradient shard, its slot shard)
      inside the busy cond, like the replicated U task does on whole buffers;
   3. all-gathers the updated shards back into the whole parameter buffer.
@@ -79,8 +79,9 @@ def update_slot(job, dev, c, row):
     D = job.eng.data
     d = lax.axis_index(DATA)
     lengths = {n: v.shape[-1] for n, v in c.params.items()}
-    # 1. reduce-scatter: replica d gets the data-mean of its shard of each gradient.
-    grads = {n: lax.psum_scatter(_pad_last(v, D), DATA, scatter_dimension=0, tiled=True) / D
+    # 1. reduce-scatter: replica d gets the data-sum of its shard of each gradient (each
+    #    replica's is its share of the global mean already: `stages.microbatch_loss`).
+    grads = {n: lax.psum_scatter(_pad_last(v, D), DATA, scatter_dimension=0, tiled=True)
              for n, v in c.acc.items()}
     shard = {n: lax.dynamic_slice_in_dim(_pad_last(v, D), d * grads[n].shape[0],
                                          grads[n].shape[0]) for n, v in c.params.items()}

@@ -104,6 +104,21 @@ class ModelSplitter:
         # first copy is right for values and gradients alike.
         return self.split.from_layer_vars(per_piece, grads=False)
 
+    def tie_params(self, pipe, params: dict) -> dict:
+        """`params` as they are, but differentiated as one variable per set of copies:
+        jax.grad through `pipe.apply` gave each copy of a tied variable its own part of
+        the gradient (pipe.unpack then showed one part, and a step with it let the copies
+        drift apart); now every copy gets the sum, as value_and_grad's gradients hold."""
+        groups = _groups(pipe, self.split, "params")
+        if not groups:
+            return params
+
+        @jax.custom_vjp
+        def tie(p):
+            return p
+        tie.defvjp(lambda p: (p, None), lambda _, ct: (_sync(ct, groups, True),))
+        return tie(params)
+
     # --- the training step --------------------------------------------------------
     def wrap_value_and_grad(self, pipe, value_and_grad):
         @functools.wraps(value_and_grad)
