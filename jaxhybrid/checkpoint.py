@@ -108,11 +108,13 @@ def _unpack_rows(pipe, collection: str, rows: dict, unpack, xp) -> list:
     return out
 
 
-def _pack_rows(pipe, collection: str, per_layer: list, lengths: dict, pack, stack, xp) -> dict:
-    """Inverse of `_unpack_rows` with `pack` and `stack` (traced or numpy)."""
+def _pack_rows(pipe, collection: str, per_layer: list, lengths: dict, pack, stack, xp,
+               dtypes=None) -> dict:
+    """Inverse of `_unpack_rows` with `pack` and `stack` (traced or numpy); buffers in
+    `dtypes` where given (see `packing.pack`)."""
     rows = [pack(pipe.param_layouts[s][collection],
                  [model_shards.shard(per_layer[i], _dims(pipe, i, collection), pipe.model, j,
-                                     f"layer {i}", xp) for i in layers], lengths)
+                                     f"layer {i}", xp) for i in layers], lengths, dtypes)
             for s, layers in enumerate(pipe.device_layers) for j in range(pipe.model)]
     return {k: stack([r[k] for r in rows]) for k in lengths}
 
@@ -122,9 +124,11 @@ def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
     return _unpack_rows(pipe, collection, buffers, packing.unpack, jnp)
 
 
-def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
+def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict,
+                     dtypes=None) -> dict:
     """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack, jnp)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack, jnp,
+                      dtypes)
 
 
 def _stage_spec(pipe) -> P:
@@ -158,9 +162,10 @@ def _unpack_host(pipe, collection: str, buffers: dict) -> list:
     return _unpack_rows(pipe, collection, _local_rows(buffers), packing.unpack_numpy, np)
 
 
-def _pack_host(pipe, collection: str, per_layer: list, lengths: dict) -> dict:
+def _pack_host(pipe, collection: str, per_layer: list, lengths: dict, dtypes=None) -> dict:
     """`_pack_collection` on the host (numpy)."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np,
+                      dtypes)
 
 
 def _host_value(leaf) -> np.ndarray:
@@ -258,8 +263,11 @@ def _from_portable(pipe, template: dict, portable: dict, host: bool = False) -> 
     slot, rest, out = 0, iter(portable["opt_rest"]), []
     for node in nodes:
         if is_slot(node):
+            # In the slot's own dtype (adam's mu_dtype): packed like the parameters, a
+            # bf16 mu came back float32 and the next step failed; a float32 one beside
+            # bf16 parameters was rounded to bf16.
             out.append(pack(pipe, "params", [layer["opt"][slot] for layer in layers],
-                            pipe.param_len))
+                            pipe.param_len, {k: node[k].dtype for k in pipe.param_len}))
             slot += 1
         else:
             out.append(asarray(next(rest), dtype=node.dtype))

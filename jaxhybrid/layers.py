@@ -116,8 +116,15 @@ def check_loss_fn(loss_fn, who: str) -> None:
                         f"targets) ({e}); wrap it, e.g. lambda outputs, targets: ...") from None
 
 
+def loss_dtype():
+    """The dtype losses are summed and seeded in: jax's default float (float64 under
+    jax_enable_x64, else float32). Fixed at float32, an x64 model's loss came back
+    truncated, and its gradients ~3e-8 off wherever 1 / (data x M) is not a power of two."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
 def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) -> jax.Array:
-    """loss_fn(outputs, targets) as a float32 scalar. A loss that is not one (an unreduced
+    """loss_fn(outputs, targets) as a scalar of `loss_dtype()`. A loss that is not one (an unreduced
     per-example loss, a (loss, aux) tuple) is refused while the step is traced, naming
     `what` it must be: else it surfaced as a cond / switch type error or a shape error
     deep inside the step."""
@@ -134,7 +141,7 @@ def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) 
         raise ValueError(f"{who}: loss_fn returned dtype {dtype}; it must return a float "
                          f"scalar ({what}): an integer loss has no gradient, so drop the "
                          f"cast to an integer or bool.")
-    loss = jnp.asarray(raw, jnp.float32)
+    loss = jnp.asarray(raw, loss_dtype())
     if loss.shape != ():
         raise ValueError(f"{who}: loss_fn returned shape {loss.shape}; it must return a scalar "
                          f"({what}): reduce it, e.g. jnp.mean(...), and compute auxiliary "

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, scalar_loss
+from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA, PIPE
 
 PyTree = Any
@@ -218,7 +218,7 @@ def forward_objective(program: BurstProgram, params, states, x, t, rng, idle=Non
     t = _relayout(t, G, g_prev, B, "targets")
     obj = jax.lax.cond(d < g_prev,
                        lambda y, tt: chunk_loss(program, y, tt) / g_prev,
-                       lambda y, tt: jnp.zeros((), jnp.float32), x, t)
+                       lambda y, tt: jnp.zeros((), loss_dtype()), x, t)
     return obj, (new_states, carry)
 
 
@@ -308,7 +308,7 @@ def explicit_value_and_grad(program: BurstProgram, params, states, x, t, rng, id
         return jax.value_and_grad(
             lambda yy: chunk_loss(program, yy, tt) / g_prev)(y)
     obj, ct = jax.lax.cond(d < g_prev, loss_run,
-                           lambda y, tt: (jnp.zeros((), jnp.float32), jnp.zeros_like(y)), x, t)
+                           lambda y, tt: (jnp.zeros((), loss_dtype()), jnp.zeros_like(y)), x, t)
     grads = [None] * L
     for l in reversed(range(L)):
         g = widths[l]

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
                                       check_batch, check_stacked,
                                       explicit_value_and_grad, shard)
-from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, scalar_loss
+from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA
 
 
@@ -194,7 +194,7 @@ def _initial_carry(job, ts, x, targets, key, treedefs):
     J = len(job.layers)
     c = {"params": ts["params"], "states": ts["states"], "opt_state": ts["opt_state"],
          "acts": [x] + [None] * J, "stash": [None] * J, "cts": [None] * (J + 1),
-         "grads": [None] * J, "loss": jnp.zeros((), jnp.float32)}
+         "grads": [None] * J, "loss": jnp.zeros((), loss_dtype())}
 
     def run_all(c):
         for task in _tasks(job, targets, key, treedefs):
@@ -290,7 +290,7 @@ def background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
         key = _bg_key(brng)
         loss, new = jax.lax.cond(
             runs[d], lambda s: background_local_step(mux.bg, s, bx, bt, key),
-            lambda s: (jnp.zeros((), jnp.float32), s), bts)
+            lambda s: (jnp.zeros((), loss_dtype()), s), bts)
         return loss[None], _stack(new)
 
     check_background(mux, bg_state, bg_inputs, bg_targets)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.layers import apply_layer, layer_rng, loss_dtype
 
 
 def _chunks(x, n):
@@ -42,7 +42,7 @@ def reference_value_and_grad(layers: Sequence, variables: Sequence[dict], loss_f
             new_states.append(jax.tree.map(lambda a: jnp.mean(a, axis=0), st))
             x = _merge(y)
         g = widths[-1]
-        losses = jax.vmap(lambda y, t: jnp.asarray(loss_fn(y, t), jnp.float32))(
+        losses = jax.vmap(lambda y, t: jnp.asarray(loss_fn(y, t), loss_dtype()))(
             _chunks(x, g), _chunks(targets, g))
         return jnp.mean(losses), new_states
 

@@ -140,6 +140,10 @@ def check_opt_state(opt_state, expected, shapes: bool = True) -> None:
             raise ValueError(f"Pipeline.train_step: opt_state has a slot of shape "
                              f"{tuple(jnp.shape(got))} where this pipeline's packed parameters "
                              f"need {tuple(want.shape)} (made for another split or mesh?)" + fix)
+        if jnp.result_type(got) != want.dtype:   # else "cond branches must have equal types"
+            raise ValueError(f"Pipeline.train_step: opt_state has a slot of dtype "
+                             f"{jnp.result_type(got)} where this optimizer keeps {want.dtype} "
+                             f"(cast, or restored in another dtype?)" + fix)
 
 
 def init_on_packed(init, params):

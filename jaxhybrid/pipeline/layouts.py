@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxhybrid import tensor_parallel
+from jaxhybrid.layers import loss_dtype
 from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.backward import Residuals, SplitBackward
 from jaxhybrid.pipeline.stages import (differentiable, merge_float, microbatch_loss,
@@ -180,7 +181,7 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
         d = residuals.derive(k, closed, closed.jaxpr.outvars[n_out:n_out + len(kept)])
         kept = [kept[i] for i in d.stash]
         if split:
-            ct = [jax.ShapeDtypeStruct((), jnp.float32)] if last else floats(out)
+            ct = [jax.ShapeDtypeStruct((), loss_dtype())] if last else floats(out)
             sb = SplitBackward(backward_fn(residuals, k, last), stage.abstract_params, kept, ct,
                                len(jax.tree.leaves(stage.abstract_params)))
             splits.append(sb)

@@ -147,7 +147,7 @@ def _check_on_device_buffers(optimizer, param_len: dict) -> None:
            "scripts/train.py does, with jaxhybrid.optim.weight_decay_mask for a mask)")
     try:
         state = jax.eval_shape(optimizer.init, buffers)
-        updates, _ = jax.eval_shape(optimizer.update, buffers, state, buffers)
+        updates, new_state = jax.eval_shape(optimizer.update, buffers, state, buffers)
     except (TypeError, ValueError) as e:
         if "required keyword-only argument" in str(e):
             return                                     # check_per_element says it
@@ -159,6 +159,13 @@ def _check_on_device_buffers(optimizer, param_len: dict) -> None:
         raise ValueError(f"Pipeline: the optimizer's updates on one device's packed buffers "
                          f"are not shaped like them ({got} for {dict(param_len)}), e.g. a "
                          f"mask packed for all stages; {fix}.")
+    changed = [(a.dtype, b.dtype) for a, b in zip(jax.tree.leaves(state),
+                                                   jax.tree.leaves(new_state)) if a.dtype != b.dtype]
+    if changed:   # e.g. adam's moments of integer parameters: zeros_like, then floats
+        raise ValueError(f"Pipeline: the optimizer's update changes its state's dtypes "
+                         f"({changed[0][0]} -> {changed[0][1]}) on one device's packed buffers "
+                         f"({', '.join(param_len)}), which a U task cannot carry: keep integer "
+                         f"values out of \"params\" (another collection), or {fix}.")
     shapes = {(n,) for n in param_len.values()}
     odd = [a.shape for a in jax.tree.leaves(state) if a.ndim and a.shape not in shapes]
     if odd:

@@ -190,16 +190,18 @@ def _whole(layout: Layout, i: int, length: int) -> bool:
     return layout.offsets[i] == 0 and math.prod(layout.shapes[i]) == length
 
 
-def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> Buffers:
+def pack(layout: Layout, tree: PyTree, lengths: Mapping[str, int],
+         dtypes: Mapping[str, Any] | None = None) -> Buffers:
     """Packs a pytree (or the list of its flat leaves) into {key: 1-D array of
-    lengths[key]}, zero padded."""
+    lengths[key]}, zero padded; each buffer in its key's dtype, or dtypes[key] (an
+    optimizer slot kept in another dtype than its parameters, e.g. adam's mu_dtype)."""
     leaves = _key_data(layout, jax.tree.leaves(tree))
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
     _check_fits(layout, lengths)
     out = {}
     for key, total in lengths.items():
-        dtype = dtype_of(key)
+        dtype = dtype_of(key) if dtypes is None else dtypes[key]
         mine = [i for i, k in enumerate(layout.keys) if k == key]
         if len(mine) == 1 and _whole(layout, mine[0], total):
             out[key] = jnp.reshape(leaves[mine[0]], (-1,)).astype(dtype)
@@ -254,13 +256,15 @@ def unpack_numpy(layout: Layout, buffers: Mapping[str, np.ndarray]) -> PyTree:
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
-def pack_numpy(layout: Layout, tree: PyTree, lengths: Mapping[str, int]) -> dict:
+def pack_numpy(layout: Layout, tree: PyTree, lengths: Mapping[str, int],
+               dtypes: Mapping[str, Any] | None = None) -> dict:
     """Host-side `pack` (numpy in, numpy out)."""
     leaves = _key_data(layout, jax.tree.leaves(tree))
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"pack: got {len(leaves)} leaves, layout has {len(layout.shapes)}")
     _check_fits(layout, lengths)
-    out = {key: np.zeros((total,), dtype_of(key)) for key, total in lengths.items()}
+    out = {key: np.zeros((total,), dtype_of(key) if dtypes is None else dtypes[key])
+           for key, total in lengths.items()}
     for leaf, shape, key, off in zip(leaves, layout.shapes, layout.keys, layout.offsets):
         arr = np.asarray(leaf)
         if arr.shape != shape:

@@ -18,6 +18,7 @@ from jaxhybrid.pipeline.layouts import StageLayouts
 from jaxhybrid.pipeline.runtime import (Engine, _local, _row, _send, _set_row,
                                         _split_microbatches, _take, data_mean,
                                         data_sum)
+from jaxhybrid.layers import loss_dtype
 from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.pipeline.tables import COL, ControlTable
 
@@ -120,7 +121,7 @@ def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: b
 
         # The first microbatch starts the sums (no zero-filled accumulator to add into).
         first = jax.tree.map(lambda a: a[0], (xs, ys))
-        (state, grads, loss), _ = microbatch((state, None, jnp.float32(0)), (jnp.int32(0), *first))
+        (state, grads, loss), _ = microbatch((state, None, jnp.zeros((), loss_dtype())), (jnp.int32(0), *first))
         if M > 1:
             rest = jax.tree.map(lambda a: a[1:], (jnp.arange(M), xs, ys))
             (state, grads, loss), _ = lax.scan(microbatch, (state, grads, loss), rest)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.layers import apply_layer, layer_rng
+from jaxhybrid.layers import apply_layer, layer_rng, loss_dtype
 
 PyTree = Any
 
@@ -68,7 +68,7 @@ def _reference_total(layers, per_layer, loss_fn, inputs, targets, data, num_micr
             for i, layer in enumerate(layers):
                 key = layer_rng(rng, g, i) if rng is not None else None   # eval too (a VAE)
                 x, st[i] = apply_layer(layer, {"params": params[i], **st[i]}, x, train=train, rng=key)
-            return st, jnp.asarray(loss_fn(x, y), jnp.float32)
+            return st, jnp.asarray(loss_fn(x, y), loss_dtype())
         final, losses = jax.lax.scan(microbatch, states, (jnp.arange(num_microbatches), xs, ys))
         return jnp.mean(losses), final
 

@@ -39,6 +39,7 @@ from jax import lax
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import async_weights, packing, zero
 from jaxhybrid.pipeline.layouts import StageLayouts, backward_fn
+from jaxhybrid.layers import loss_dtype
 from jaxhybrid.pipeline.stages import differentiable, merge_float
 from jaxhybrid.pipeline.tables import COL, ControlTable
 from jaxhybrid.schedules import TaskType
@@ -118,12 +119,17 @@ def data_mean(data: int, v: jax.Array) -> jax.Array:
     """Mean over data replicas of a float value, floor of the mean of an integer one (a
     count in a state collection: left alone, each replica kept its own and the array
     claimed to be replicated was not); XLA keeps an all-reduce over a one-device axis (a
-    copy of every gradient), so data = 1 skips it."""
+    copy of every gradient), so data = 1 skips it. Neither sum overflows where the mean
+    does not: summed in its own dtype, uint8 150 on two replicas came back 22 and float16
+    40000 inf. Floats are summed in at least float32; integers as floor(v / data) plus
+    the floor of the remainders' mean, each term in range."""
     if data == 1 or not jnp.issubdtype(v.dtype, jnp.number):
         return v
     if jnp.issubdtype(v.dtype, jnp.integer):
-        return lax.psum(v, DATA) // data
-    return lax.pmean(v, DATA)
+        q, r = jnp.floor_divide(v, data), jnp.remainder(v, data).astype(jnp.int32)
+        return (lax.psum(q, DATA) + (lax.psum(r, DATA) // data).astype(v.dtype)).astype(v.dtype)
+    wide = jnp.promote_types(v.dtype, jnp.float32)
+    return lax.pmean(v.astype(wide), DATA).astype(v.dtype)
 
 
 # --- task branches (module-level builders over explicit values) --------------------------
@@ -166,13 +172,13 @@ def forward_branch(job: Job, k: int):
             return packing.zeros(lay.act_len), res, st_bufs, out
         mask = [differentiable(d) for d in lay.act[k + 1].dtypes]
         y = merge_float(jax.tree.structure([0] * len(mask)), mask, out, yi)
-        return packing.pack(lay.act[k + 1], y, lay.act_len), res, st_bufs, jnp.float32(0)
+        return packing.pack(lay.act[k + 1], y, lay.act_len), res, st_bufs, jnp.zeros((), loss_dtype())
     return run
 
 
 def _cotangent(job: Job, k: int, g_row: dict) -> list:
     if k == len(job.eng.stages) - 1:
-        return [jnp.ones((), jnp.float32)]
+        return [jnp.ones((), loss_dtype())]
     return packing.unpack_leaves(job.lay.grad[k + 1], g_row)
 
 
@@ -412,7 +418,7 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                   stash=packing.zeros(lay.res_len, (sizes["stash"],)),
                   cross=packing.zeros(lay.cross_len, (sizes["cross"],)),
                   acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
-                  state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.float32(0),
+                  state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.zeros((), loss_dtype()),
                   params=p_bufs if optimizer is not None else None,
                   opt_state=jax.tree.map(_squeeze, opt_state),
                   versions=async_weights.initial_versions(job.weights, sizes["versions"], p_bufs),

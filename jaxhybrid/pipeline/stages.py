@@ -75,7 +75,9 @@ def differentiable(dtype) -> bool:
 
 
 def is_float(x) -> bool:
-    return differentiable(x.dtype)
+    # jnp.result_type: a Python number among a layer's outputs has no .dtype (it failed
+    # as "'float' object has no attribute 'dtype'").
+    return differentiable(jnp.result_type(x))
 
 
 def split_float(tree: PyTree) -> tuple[list, list, list]:
@@ -95,7 +97,7 @@ Loss = Callable[[PyTree, PyTree], jax.Array]
 
 def microbatch_loss(loss_fn: Loss, outputs: PyTree, targets: PyTree, global_microbatches: int):
     """loss_fn(outputs, targets) / (data x M), the microbatch's share of the global mean, as
-    a float32 scalar (`layers.scalar_loss`: a loss that is not a scalar surfaced as "switch
+    a scalar of `layers.loss_dtype()` (`layers.scalar_loss`: a loss that is not a scalar surfaced as "switch
     branches must have equal output types"). Scaled by the data replicas too, and summed
     over them after: seeded with 1 / M and averaged over "data" after, every backward
     rule saw a cotangent `data` times jax.grad's, and one not linear in it (a
