@@ -18,7 +18,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import time
 from typing import Any, Callable, Iterable
 
@@ -30,6 +29,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from jaxhybrid import checkpoint, data, distributed, startup
+from jaxhybrid import workdir as workdir_
 from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
                              weight_decay_mask)
@@ -197,13 +197,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         lambda: _prepare_in(workdir, config, train_data, eval_data), ConfigError)
     main = distributed.is_main_process()   # metrics, events, progress and logs: process 0
     fresh = not workdir.exists()
+    lock = distributed.fail_together(lambda: workdir_.Lock(workdir) if main else None,
+                                     ConfigError)
+    writer = begun = ckpt = None
     try:
-        ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
-    except OSError as e:   # where os.access says yes but mkdir fails (/proc, some mounts)
-        raise ConfigError(f"workdir: cannot create {workdir / 'checkpoints'} ({e.strerror or e}); "
-                          f"pass a --workdir this process can write to.") from None
-    writer = begun = None
-    try:
+        try:
+            ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+        except OSError as e:   # where os.access says yes but mkdir fails (/proc, some mounts)
+            raise ConfigError(f"workdir: cannot create {workdir / 'checkpoints'} "
+                              f"({e.strerror or e}); pass a --workdir this process can "
+                              f"write to.") from None
         _check_processes_see_one_checkpoint(ckpt)
         begun = _begin(run, config, phases, main, ckpt)
         if main:
@@ -211,11 +214,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
             writer = MetricWriter(workdir, begun.start)
         final = _train_steps(begun, config, workdir, phases, writer)
     finally:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         if writer is not None:
             writer.close()
-        if begun is None and fresh:        # refused at start-up (a plan over budget, ...)
-            _remove_if_empty(workdir)
+        if begun is None and fresh and main:   # refused at start-up (a plan over budget, ...)
+            workdir_.remove_if_empty(workdir)
+        if lock is not None:
+            lock.release()
     final["wall_time_s"] = time.time() - started
     if main:
         logging.info("done: %s", final)
@@ -231,28 +237,8 @@ def _prepare_in(workdir: pathlib.Path, config, train_data, eval_data) -> Run:
     require(not (workdir / "checkpoints").exists() or (workdir / "checkpoints").is_dir(),
             f"{workdir / 'checkpoints'} is a file; move it away (the run keeps its "
             f"checkpoints in that directory).")
-    _check_writable(workdir)
+    workdir_.check_writable(workdir)
     return run
-
-
-def _remove_if_empty(workdir: pathlib.Path) -> None:
-    """A run refused before its first step leaves no workdir of empty folders behind
-    (the checkpoints/ folder orbax made)."""
-    if all(p.is_dir() and not any(p.iterdir()) for p in workdir.iterdir()):
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _check_writable(workdir: pathlib.Path) -> None:
-    """A workdir (or the folder it would be made in) that cannot be written failed with
-    an OSError traceback when config.json was written, after planning and compiling."""
-    for path in (workdir / "checkpoints", workdir, *workdir.parents):
-        if path.exists():
-            require(path.is_dir(), f"workdir: {path} is a file, so {workdir} cannot be made "
-                                   f"in it; pass a --workdir under a directory.")
-            require(os.access(path, os.W_OK | os.X_OK),
-                    f"workdir: {path} is not writable (a read-only file system or no "
-                    f"permission); pass a --workdir this process can write to.")
-            return
 
 
 def _check_processes_agree(config, workdir: pathlib.Path) -> None:

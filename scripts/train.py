@@ -112,7 +112,10 @@ def _parse_flags(argv):
     if _config_arg(rest[1:]) is None:
         rest = [rest[0], f"--config={DEFAULT_CONFIG}", *rest[1:]]
     try:
-        return flags.FLAGS(rest)
+        # Told to every process: one that exited alone on its flag error left the others
+        # waiting 2 minutes in jax's start-up, then failing with a timeout that did not
+        # name it.
+        return distributed.fail_together(lambda: flags.FLAGS(rest), flags.Error)
     except flags.Error as e:
         # A flag error (a misspelt --config.field, a wrong type: --config.train.steps=abc)
         # is the user's typo: one line, not absl's traceback (app.run's own parser would

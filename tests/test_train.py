@@ -344,3 +344,19 @@ def test_bad_config_fails_clearly_before_touching_the_workdir(tmp_path, override
 def test_unknown_config_key_fails_clearly():
     with pytest.raises(ValueError, match=r"unknown key 'train.stepz'.*train.steps"):
         gpt_config(**{"train.stepz": 3})
+
+
+def test_a_workdir_in_use_by_another_run_is_refused_naming_it(tmp_path):
+    # Two runs in one workdir wrote the same checkpoint steps and interleaved their
+    # metrics.jsonl records (278 for 150 steps), or failed at the first save in orbax.
+    from jaxhybrid import workdir as workdir_
+    (tmp_path / "notes.txt").write_text("the other run's file")
+    held = workdir_.Lock(tmp_path)            # as the other run's process 0 holds it
+    try:
+        with pytest.raises(train.ConfigError, match=r"is in use by another run \(pid \d+ on "):
+            train.train_and_evaluate(gpt_config(), tmp_path)
+        assert (tmp_path / "notes.txt").exists() and not (tmp_path / "checkpoints").exists()
+    finally:
+        held.release()
+    final = train.train_and_evaluate(gpt_config(), tmp_path)   # free again: it runs
+    assert final["step"] == gpt_config().train.steps

@@ -19,8 +19,8 @@ from jaxhybrid.pipeline import (async_weights, layouts, optimizer_checks, packin
                                 runtime, tables, zero)
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
-                                         checked_zero, one_microbatch, rng_hint,
-                                         TRAIN_STEP_CALL)
+                                         checked_zero, on_every_process, one_microbatch,
+                                         rng_hint, TRAIN_STEP_CALL)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
@@ -376,6 +376,7 @@ class Pipeline(PipelineVariables):
 
         def step(variables, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "value_and_grad")
+            inputs, targets = on_every_process(self, "value_and_grad", inputs, targets)
             with rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 loss, grads, new_state = jitted(variables, inputs, targets, rng)
@@ -424,6 +425,7 @@ class Pipeline(PipelineVariables):
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state, not self.zero)
+            inputs, targets = on_every_process(self, "train_step", inputs, targets)
             with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
                 return jitted(variables, opt_state, inputs, targets, rng)
 
@@ -439,6 +441,7 @@ class Pipeline(PipelineVariables):
         in batch order. Mutable state is not updated."""
         self._require_vars()
         packing.check_packed(variables, self.abstract_variables(), "apply")
+        inputs, = on_every_process(self, "apply", inputs)
         key = ("apply", train, rng is not None)
         if key not in self._cache:
             self._cache[key] = jax.jit(functools.partial(self._apply, train=train))

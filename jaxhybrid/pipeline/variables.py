@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jaxhybrid import tensor_parallel
 from jaxhybrid.layers import init_layer
 from jaxhybrid.pipeline import model_shards, packing
+from jaxhybrid.pipeline.arguments import same_pipeline_everywhere
 
 PyTree = Any
 
@@ -133,6 +134,7 @@ class PipelineVariables:
         if check:
             self._check_like_layout(abstract)
         self._set_layer_vars(abstract)
+        same_pipeline_everywhere(self, "pack")
         sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
         for c in ["params", *self.state_collections]:

@@ -1,0 +1,71 @@
+"""A training run's working directory: the checks that it can take the run, the lock
+that keeps a second run out of it, and the cleanup of one refused before its first step.
+
+A second run started in a workdir in use (the same command twice, or a resume started
+while the first still ran) wrote the same checkpoint steps and appended to the same
+metrics.jsonl (278 records for 150 steps, out of order), or failed at its first save with
+orbax's traceback. `Lock` holds an exclusive `flock` on `<workdir>/.lock` for the run's
+lifetime; the operating system releases it when the process ends however it ends, so no
+stale lock is ever left to clear by hand.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import shutil
+import socket
+import time
+
+from jaxhybrid.run_setup import ConfigError, require
+
+LOCK_NAME = ".lock"
+
+
+class Lock:
+    """An exclusive lock on `workdir` for this process (process 0 of a run takes it);
+    ConfigError naming the holder when another run holds it."""
+
+    def __init__(self, workdir: pathlib.Path):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.path = workdir / LOCK_NAME
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ConfigError(f"workdir {workdir} is in use by another run ({holder}); stop it "
+                             f"first, or pass another --workdir.") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def check_writable(workdir: pathlib.Path) -> None:
+    """A workdir (or the folder it would be made in) that cannot be written failed with
+    an OSError traceback when config.json was written, after planning and compiling."""
+    for path in (workdir / "checkpoints", workdir, *workdir.parents):
+        if path.exists():
+            require(path.is_dir(), f"workdir: {path} is a file, so {workdir} cannot be made "
+                                   f"in it; pass a --workdir under a directory.")
+            require(os.access(path, os.W_OK | os.X_OK),
+                    f"workdir: {path} is not writable (a read-only file system or no "
+                    f"permission); pass a --workdir this process can write to.")
+            return
+
+
+def remove_if_empty(workdir: pathlib.Path) -> None:
+    """A run refused before its first step leaves no workdir of empty folders behind
+    (the checkpoints/ folder orbax made, the lock file)."""
+    if all((p.is_dir() and not any(p.iterdir())) or p.name == LOCK_NAME
+           for p in workdir.iterdir()):
+        shutil.rmtree(workdir, ignore_errors=True)

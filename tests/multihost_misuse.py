@@ -1,0 +1,52 @@
+"""What a researcher's own multi-process script may get wrong with the pipeline API
+(tests/test_multihost_misuse.py starts it on 2 processes x 4 devices with
+scripts/launch_local.py --script): each process passing its own rows, or other numbers, as
+numpy; a process building its pipeline with other cuts. Prints one JSON line per case
+on process 0: {"case": name, "loss": float} or {"case": name, "error": first line}."""
+import json
+
+import numpy as np
+
+from jaxhybrid import distributed
+
+distributed.initialize()
+
+import flax.linen as nn   # noqa: E402 (after jax.distributed)
+import jax                # noqa: E402
+import jax.numpy as jnp   # noqa: E402
+
+import jaxhybrid as jh    # noqa: E402
+from jaxhybrid import data  # noqa: E402
+from jaxhybrid import pipeline as jp  # noqa: E402
+
+
+def report(case, fn):
+    try:
+        out = {"case": case, "loss": float(fn())}
+    except ValueError as e:
+        out = {"case": case, "error": str(e).splitlines()[0]}
+    if jax.process_index() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    layers = [nn.Dense(8) for _ in range(5)]
+    mse = lambda o, y: jnp.mean((o - y) ** 2)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 8).astype(np.float32), rs.randn(16, 8).astype(np.float32)
+    mesh, me = jh.make_mesh(data=2, pipe=4), jax.process_index()
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, boundaries=(1, 2, 3))
+    variables = pipe.init(jax.random.key(0), x[:2])
+    step = pipe.value_and_grad(mse)
+    rows = data.process_rows(mesh, 16)
+    report("placed rows", lambda: step(variables, *data.place_batch((x[rows], y[rows]), mesh))[0])
+    report("the same numpy batch", lambda: step(variables, x, y)[0])
+    report("own rows as numpy", lambda: step(variables, x[rows], y[rows])[0])
+    report("other numbers", lambda: step(variables, x + me, y)[0])
+    other = jp.Pipeline(layers, mesh=mesh, num_microbatches=4,
+                        boundaries=(1, 2, 3) if me == 0 else (2, 3, 4))
+    report("other cuts", lambda: other.init(jax.random.key(0), x[:2]) and 0.0)
+
+
+if __name__ == "__main__":
+    main()

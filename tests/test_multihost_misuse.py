@@ -1,0 +1,62 @@
+"""Mistakes on several processes stop every process at once with one line naming the
+cause (2 processes x 4 simulated devices, gloo): numpy batches that differ between
+processes (they trained on a mix, silently), pipelines cut differently (gloo's
+"collective mismatch"), a flag error on one process of train.py (the others waited
+2 minutes in jax's start-up and failed with a timeout)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import launch_local  # noqa: E402
+
+TIMEOUT_S = 300      # a hang guard: the runs take 5-40 s
+
+
+def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=30",
+           f"--script={ROOT / 'tests' / 'multihost_misuse.py'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    got = {r["case"]: r for r in (json.loads(l.split("RESULT ", 1)[1])
+                                   for l in out.splitlines() if "RESULT " in l)}
+    assert len(got) == 5, out[-4000:]
+    assert got["the same numpy batch"]["loss"] == got["placed rows"]["loss"]
+    for case in ("own rows as numpy", "other numbers"):
+        assert got[case]["error"].startswith(
+            "Pipeline.value_and_grad: a numpy batch differs between processes"), got[case]
+        assert "jaxhybrid.data.place_batch(rows, pipe.mesh)" in got[case]["error"]
+    assert got["other cuts"]["error"].startswith(
+        "process 1 built its Pipeline or called pack with boundaries=[2, 3, 4] but process 0 "
+        "with [1, 2, 3]"), got["other cuts"]
+
+
+def test_a_flag_error_on_one_process_stops_every_process_at_once(tmp_path):
+    port = launch_local.free_port()
+    procs = []
+    for i in range(2):
+        bad = ["--config.train.batch_size=abc"] if i == 1 else []
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=gpt_hybrid.py",
+             f"--workdir={tmp_path / 'w'}", "--initialization_timeout=60", *bad],
+            env=launch_local.process_env({**os.environ, "PYTHONPATH": str(ROOT)}, i, 2, 4, port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+    started, outs = time.monotonic(), []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    waited = time.monotonic() - started
+    assert all(p.returncode != 0 for p in procs)
+    flag = "flag --config.train.batch_size=abc: invalid literal for int()"
+    assert f"error: process 1: {flag}" in outs[0], outs[0][-3000:]
+    assert f"error: {flag}" in outs[1], outs[1][-3000:]
+    assert waited < 60, f"the processes took {waited:.0f} s to stop"   # 121 s before
