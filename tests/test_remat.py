@@ -162,3 +162,20 @@ def test_input_errors():
         choose_remat_spmd(costs, [1], make_schedule("1f1b", 2, 4), "lots")
     with pytest.raises(ValueError, match="one bool per layer"):
         spmd_memory(costs, [1], make_schedule("1f1b", 2, 4), [True])
+
+
+def test_a_split_backwards_recompute_prices_the_weight_gradients_it_hands_w():
+    # zb-h1: a recomputed layer's parameter gradients cross from B to W; with weights
+    # larger than the residuals saved, recomputing costs memory. The planner recomputed
+    # anyway (zb-h1 plans compiled 22-29% over budgets they claimed to meet), and a
+    # budget nothing recomputed fits was refused "even with full recompute".
+    import dataclasses
+    costs = [dataclasses.replace(layer(i, saved=1000, inp=100, params=40_000),
+                                 param_by_dtype={"float32": 40_000},
+                                 saved_by_dtype={"float32": 1000}) for i in range(6)]
+    sched = make_schedule("zb-h1", 2, 4)
+    none, full = (device_memory(costs, [3], sched, r) for r in ([False] * 6, [True] * 6))
+    assert full > none
+    assert choose_remat_spmd(costs, [3], sched, none) == [False] * 6
+    with pytest.raises(MemoryBudgetError, match=r"without recompute, the least of the choices"):
+        choose_remat_spmd(costs, [3], sched, none - 1)

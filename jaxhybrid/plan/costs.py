@@ -70,6 +70,18 @@ def _nbytes(tree) -> int:
                    for l in jax.tree.leaves(tree)))
 
 
+def float_bytes_by_dtype(tree) -> dict:
+    """{dtype name: bytes} of the floating (differentiable) leaves of `tree`."""
+    import jax
+    import jax.numpy as jnp
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        dtype = np.dtype(leaf.dtype)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            out[dtype.name] = out.get(dtype.name, 0) + int(np.prod(np.shape(leaf))) * dtype.itemsize
+    return out
+
+
 def _count(tree) -> int:
     import jax
     return int(sum(int(np.prod(np.shape(l))) for l in jax.tree.leaves(tree)))
@@ -130,9 +142,10 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 6   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+COST_FORMAT = 7   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
 #                   5: residuals the backward recomputes cheaply are not counted;
-#                   6: a split backward's crossing values and W's residuals
+#                   6: a split backward's crossing values and W's residuals;
+#                   7: float parameters by dtype
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -368,7 +381,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   in_bytes=_nbytes(x), out_bytes=_nbytes(y),
                   saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
-                  cross_by_dtype=split.get("cross", {}),
+                  cross_by_dtype=split.get("cross", {}), param_by_dtype=float_bytes_by_dtype(params),
                   weight_saved_by_dtype=split.get("weight_saved", {}),
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),

@@ -71,6 +71,9 @@ class LayerCost:
     # intermediate cotangents), and the stashed residuals W still reads after B.
     cross_by_dtype: dict = dataclasses.field(default_factory=dict)
     weight_saved_by_dtype: dict = dataclasses.field(default_factory=dict)
+    # The float parameters' bytes by dtype ({}: unknown): a recomputed layer's backward is
+    # one jax.checkpoint equation B runs whole, so its parameter gradients cross to W.
+    param_by_dtype: dict = dataclasses.field(default_factory=dict)
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -97,7 +100,7 @@ class LayerCost:
 
 BY_DTYPE_FIELDS = ("saved_by_dtype", "cross_by_dtype", "weight_saved_by_dtype")
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
-                    if f.name != "name" and f.name not in BY_DTYPE_FIELDS)
+                    if f.name not in ("name", "param_by_dtype", *BY_DTYPE_FIELDS))
 
 
 def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:

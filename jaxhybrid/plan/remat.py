@@ -175,11 +175,12 @@ def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values beyond the row's space that W does not read (the
     padded row less the residuals W still reads); the ring's row is the largest stage's,
-    per dtype, summed. A recomputed layer adds nothing: its row is its input alone, and
-    what its W needs B mostly makes again in its own recomputation (tiny models, zb-h1,
-    every layer recomputed: no ring in GPT's and BigLSTM's runtime, 26KB in GNMT's,
-    1.25MB in Inception-V3's; counting the layers' crossing values predicted 502KB,
-    419KB and 6MB, and counting them without W's residuals 261KB for GPT). Byte counts,
+    per dtype, summed. A recomputed layer's backward is one jax.checkpoint equation that B
+    runs whole (it makes the input gradient), so what crosses to W is its parameter
+    gradients, and its row holds its input alone (six Dense(256) layers at microbatch
+    64, zb-h1, pipe 2, all recomputed: a ring of 1.57MB, three kernels' gradients per
+    slot, where this model said nothing and a budget it called met was missed by 29%).
+    Byte counts,
     not the runtime's first fit of whole values (`packing.place_in_free_space`): a value
     that fits only in pieces is counted as fitting (Inception-V3 tiny, zb-h1, S=4: a row
     of 175KB predicted, 314KB in the runtime). `row`: the padded stash row by dtype
@@ -191,9 +192,12 @@ def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
     for a, b in ranges:
         cross, live = {}, {}
         for i, c in enumerate(costs[a:b], a):
-            if r[i]:
-                continue
             scale = _residual_share(c)
+            if r[i]:
+                share = _param_share(c)
+                for d, v in c.param_by_dtype.items():
+                    cross[d] = cross.get(d, 0.0) + v * share
+                continue
             for d, v in c.cross_by_dtype.items():
                 cross[d] = cross.get(d, 0.0) + v * scale
             for d, v in c.weight_saved_by_dtype.items():
@@ -201,6 +205,13 @@ def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
         for d, v in cross.items():
             over[d] = max(over.get(d, 0.0), v - max(row.get(d, 0.0) - live.get(d, 0.0), 0.0))
     return float(slots * sum(max(v, 0.0) for v in over.values()))
+
+
+def _param_share(c) -> float:
+    """The part of a layer's parameters one device holds (below 1 with tensor
+    parallelism: `param_bytes` is the local share, `param_by_dtype` the whole)."""
+    total = sum(c.param_by_dtype.values())
+    return c.param_bytes / total if total else 1.0
 
 
 def _residual_share(c) -> float:
@@ -356,16 +367,9 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     full = [c.saved_bytes > c.saved_bytes_remat for c in costs]
     device = lambda r: spmd_memory(costs, boundaries, schedule, r,  # noqa: E731
                                    param_state_factor=param_state_factor)
-    full_dev = device(full)
-    if full_dev[1] > budget:
-        s = int(np.argmax(full_dev[0]))
-        over = full_dev[1] - budget
-        raise MemoryBudgetError(
-            f"the SPMD program needs {fmt_bytes(full_dev[1])} per device even with full "
-            f"recompute (largest stage: {s}; parameters/optimizer state and buffers alone "
-            f"{fmt_bytes(fixed)}), {fmt_bytes(over)} ({int(round(over))} bytes) over the "
-            f"{fmt_bytes(budget)} memory budget; use more pipeline stages, more microbatches "
-            f"with a smaller microbatch, or a bigger budget.")
+    # Nothing recomputed first: recomputing everything is not always the least (its
+    # transient and a split backward's crossing gradients can outweigh the rows saved),
+    # and budgets that needed no recompute were refused "even with full recompute".
     if device(None)[1] <= budget:
         return [False] * L
     stages = []
@@ -401,7 +405,18 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
                 remat[o.first + int(i)] = True
         if device(remat)[1] <= budget * (1 + 1e-12):
             return remat
-    return full   # max_caps thinned out the caps that work, or dtype padding broke them
+    # max_caps thinned out the caps that work, or dtype padding broke them: full, if it fits.
+    least, how = min((device(full), "with full recompute"),
+                     (device(None), "without recompute"), key=lambda d: d[0][1])
+    if device(full)[1] <= budget:
+        return full
+    over = least[1] - budget
+    raise MemoryBudgetError(
+        f"the SPMD program needs {fmt_bytes(least[1])} per device {how}, the least of the "
+        f"choices tried (largest stage: {int(np.argmax(least[0]))}; parameters/optimizer "
+        f"state and buffers alone {fmt_bytes(fixed)}), {fmt_bytes(over)} "
+        f"({int(round(over))} bytes) over the {fmt_bytes(budget)} memory budget; use more "
+        f"pipeline stages, more microbatches with a smaller microbatch, or a bigger budget.")
 
 
 class _StageChoices(NamedTuple):

@@ -95,7 +95,8 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             saved_bytes_remat=nb(in_ids),
             fwd_time=roofline_time(f_flops, f_bytes, peak_flops, bandwidth),
             bwd_time=roofline_time(b_flops, b_bytes, peak_flops, bandwidth),
-            measured=False, state_bytes=nb(state)))
+            measured=False, state_bytes=nb(state),
+            param_by_dtype=plan_costs.float_bytes_by_dtype([prog.avals[i] for i in params])))
     return out
 
 
