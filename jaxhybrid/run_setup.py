@@ -24,6 +24,7 @@ from jaxhybrid import pipeline as jp
 from jaxhybrid.checks import is_int as _int
 from jaxhybrid.mesh import DATA
 from jaxhybrid.optim import OPTIMIZERS
+from jaxhybrid.plan.from_config import step_param_factor
 from jaxhybrid.plan.topology import parse_bytes
 from jaxhybrid.schedules import SCHEDULES, asynchronous, make_schedule
 
@@ -262,7 +263,10 @@ def build_pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeli
                        virtual_stages=p.virtual_stages if p.schedule == "interleaved" else None,
                        remat=p.remat if remat is None else remat,
                        memory_budget=p.memory_budget if remat is None else None,
-                       zero=config.train.get("zero", 0))
+                       zero=config.train.get("zero", 0),
+                       param_state_factor=step_param_factor(
+                           config.train.optimizer, config.train.momentum,
+                           config.train.weight_decay, config.mesh.model))
 
 
 def _process_share(stream: Callable[[], Iterable], rows: slice, batch_size: int, name: str,

@@ -77,11 +77,13 @@ def compile_ahead(run: Run, train_step, state: dict, masks, rng):
     return train_step.lower(state, masks, inputs, targets, rng).compile()
 
 
-def check_step_memory(compiled, budget, planned: float | None, limit: float | None) -> str:
+def check_step_memory(compiled, budget, planned: float | None, limit: float | None,
+                      recomputes_all: bool = False) -> str:
     """The compiled step's bytes per device (`memory_analysis`: arguments + outputs +
     temporaries - aliased) against the device's memory `limit` (ConfigError: the first
     step would fail to allocate), and against `pipeline.memory_budget` (a warning: the
-    planner's model, `planned` bytes, fell short of this step); returns the log line."""
+    planner's model, `planned` bytes, fell short of this step; a plan that recomputes
+    every layer already cannot recompute more); returns the log line."""
     from jaxhybrid.plan.topology import fmt_bytes, parse_bytes
     try:
         ma = compiled.memory_analysis()
@@ -97,11 +99,13 @@ def check_step_memory(compiled, budget, planned: float | None, limit: float | No
         raise ConfigError(f"the compiled training step needs {fmt_bytes(need)} per device, more "
                           f"than the device's {fmt_bytes(limit)}; {fix}.")
     if budget is not None and need > parse_bytes(budget):
+        more = ("" if recomputes_all else f"lower the budget by "
+                f"{fmt_bytes(need - parse_bytes(budget))} to have the planner recompute more, or ")
         logging.warning("the compiled step needs %s per device, over pipeline.memory_budget=%s "
-                        "(the planner's model: %s); lower the budget by %s to have the planner "
-                        "recompute more, or %s.", fmt_bytes(need), budget,
-                        fmt_bytes(planned) if planned else "not planned",
-                        fmt_bytes(need - parse_bytes(budget)), fix)
+                        "(the planner's model: %s); %s%s.", fmt_bytes(need), budget,
+                        fmt_bytes(planned) if planned else "not planned", more,
+                        fix.replace("set pipeline.remat='full' (recompute every stage), or ",
+                                    "") if recomputes_all else fix)
     return line
 
 
@@ -378,7 +382,8 @@ def _checked_step(run: Run, t, state, masks, rng, p, ckpt: checkpoint.Checkpoint
         # Several processes: a step too big for one process's device stops them all
         # (the others would wait for it in the first step's collectives).
         logging.info(distributed.fail_together(lambda: check_step_memory(
-            compiled, p.memory_budget, planned, device_memory_limit()), ConfigError))
+            compiled, p.memory_budget, planned, device_memory_limit(),
+            p.memory_budget is not None and all(run.pipe.plan.remat)), ConfigError))
     return train_step
 
 

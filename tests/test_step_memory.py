@@ -43,6 +43,13 @@ def test_a_step_over_the_budget_is_a_warning_with_the_figures(caplog):
     with caplog.at_level(logging.WARNING):
         train.check_step_memory(fake(temp=1_000_000), "2MB", 900_000, 8_000_000)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # A plan recomputing every layer already: "lower the budget ... to recompute more" led
+    # to a MemoryBudgetError; the warning names what is left.
+    with caplog.at_level(logging.WARNING):
+        train.check_step_memory(fake(temp=3_000_000), "2MB", 1_900_000, None, True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned and all("recompute more" not in m and "remat='full'" not in m
+                          and "more pipeline stages" in m for m in warned), warned
 
 
 def test_a_real_compiled_step_and_a_backend_without_the_analysis():
@@ -56,3 +63,25 @@ def test_a_real_compiled_step_and_a_backend_without_the_analysis():
     assert train.check_step_memory(object(), "1MB", None, None) == \
         "memory per device: not reported by this backend"
     assert train.device_memory_limit() is None   # CPU: no allocation limit to check
+
+
+def test_the_planner_counts_the_training_steps_masks_and_slots():
+    # train.py passes a packed weight-decay mask the size of the parameters: plans under a
+    # budget compiled 13% over it (GPT tiny, interleaved) while the model said they fit.
+    from jaxhybrid.config_flags import load_config
+    from jaxhybrid.plan.from_config import plan_from_config, step_param_factor
+    assert step_param_factor("adamw", 0.9, 0.0, 1) == 4
+    assert step_param_factor("adamw", 0.9, 0.01, 2) == 6          # mask, norm weights
+    assert step_param_factor("sgd", 0.0, 0.0, 1) == 2
+    overrides = {"model.size": "tiny", "mesh.data": 2, "mesh.pipe": 2,
+                 "pipeline.num_microbatches": 2, "train.batch_size": 8}
+    plans = [plan_from_config(load_config("gpt_hybrid.py", {**overrides,
+                                                            "train.weight_decay": wd}))[0]
+             for wd in (0.0, 0.01)]
+    # One more parameter-sized buffer: a quarter of what the 4 (params, gradients, two
+    # moments) already count for the parameters.
+    from jaxhybrid.plan.remat import memory_terms
+    costs = plan_from_config(load_config("gpt_hybrid.py", overrides))[1]
+    params = memory_terms(costs, plans[0].boundaries, plans[0].schedule_table(),
+                          plans[0].remat)["params"]
+    assert plans[1].device_memory - plans[0].device_memory == pytest.approx(params, rel=1e-6)

@@ -52,7 +52,9 @@ class Pipeline(PipelineVariables):
         `jax.checkpoint_policies` name | a per-stage list of those | a list of one bool
         per layer (recompute that layer) | "auto" (the planner's per-layer choice so that
         every stage fits `memory_budget`; no recompute without a budget).
-      memory_budget: bytes per device (int or "16GB") for remat="auto".
+      memory_budget: bytes per device (int or "16GB") for remat="auto";
+        param_state_factor: what the training step holds per parameter byte, for the
+        planner (default 4: parameters, gradients, Adam's two moments).
       topology: a `jaxhybrid.plan.Topology` or spec string; the planner then weighs the
         boundary transfers over the links each cut crosses.
       plan: a `jaxhybrid.plan.Plan` to run as is (boundaries and remat from it).
@@ -69,6 +71,7 @@ class Pipeline(PipelineVariables):
     def __init__(self, layers: Sequence[nn.Module], *, mesh: Mesh, num_microbatches: int = 1,
                  schedule: str | Schedule = "1f1b", boundaries: Sequence[int] | None = None,
                  remat: Any = "auto", memory_budget: int | str | None = None,
+                 param_state_factor: float = 4,
                  topology: Any = None, plan: Any = None, virtual_stages: int | None = None,
                  call_kwargs: dict | None = None, sample_inputs: PyTree = None,
                  zero: int = 0):
@@ -105,6 +108,7 @@ class Pipeline(PipelineVariables):
             raise ValueError(f"Pipeline: memory_budget needs remat='auto' (got remat={remat!r}); "
                              f"drop one of them.")
         self.memory_budget, self.topology = memory_budget, topology
+        self.param_state_factor = param_state_factor
         check_plan_inputs(memory_budget, topology)
         self._plan, self._sample = None, None
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
@@ -153,7 +157,7 @@ class Pipeline(PipelineVariables):
             memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, model=self.model,
             zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
-            remat=self._planned_remat())
+            remat=self._planned_remat(), param_state_factor=self.param_state_factor)
 
     def _planned_remat(self) -> list | None:
         """The user's remat as one bool per layer for the planner to predict (it reported

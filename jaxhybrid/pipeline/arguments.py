@@ -221,8 +221,9 @@ def on_every_process(pipe, call: str, *trees):
     its own rows, the natural mistake) trained on a mix, silently (a loss of 5.13 against
     the batch's 3.82). Numpy leaves are placed over "data" (jax checks they are the same
     on every process); each process's own rows go through `jaxhybrid.data.place_batch`."""
-    if jax.process_count() == 1:
-        return trees
+    if jax.process_count() == 1 or any(isinstance(a, jax.core.Tracer)
+                                       for a in jax.tree.leaves(trees)):
+        return trees      # inside a jit of the caller's (train.py's step): its arguments
     same_pipeline_everywhere(pipe, call, trees)
     sharding = jax.sharding.NamedSharding(pipe.mesh, jax.sharding.PartitionSpec(DATA))
 
