@@ -305,3 +305,21 @@ def test_plan_and_projection_price_a_step_alike(schedule, v):
             p.weight_task_overhead) == (0.02, 0.01, 0.03, 0.04)
     assert p.predicted_step_time > bare.predicted_step_time
     assert Plan.from_json(p.to_json()).predicted_step_time == pytest.approx(p.predicted_step_time)
+
+
+def test_cuts_move_for_memory_when_the_time_balanced_ones_cannot_fit():
+    # Two large tables among cheap layers: the time-balanced cuts put both on one stage,
+    # which no recomputation fits; the planner refused a budget that cuts separating
+    # them meet ([1, 2, 5] against [2, 4, 6] in the probe that found it).
+    costs = [layer(0, t=0.1, params=400_000), layer(1, t=0.1, params=400_000),
+             *[layer(i, t=1.0, params=1000) for i in range(2, 9)]]
+    timed = make_plan(costs, num_stages=4, num_microbatches=4)
+    assert timed.boundaries[0] >= 2                     # both tables on stage 0
+    sched = make_schedule("1f1b", 4, 4)
+    apart = [1, 3, 6]
+    budget = spmd_memory(costs, apart, sched, [True] * 9)[1] * 1.01
+    with pytest.raises(MemoryBudgetError):
+        make_plan(costs, num_stages=4, num_microbatches=4, memory_budget=budget,
+                  boundaries=timed.boundaries)
+    plan = make_plan(costs, num_stages=4, num_microbatches=4, memory_budget=budget)
+    assert plan.boundaries[0] == 1 and plan.device_memory <= budget

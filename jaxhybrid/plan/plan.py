@@ -22,7 +22,9 @@ from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
-from jaxhybrid.plan.remat import choose_remat_spmd, recompute_time, spmd_memory
+from jaxhybrid.plan.memory_cuts import cuts_that_fit
+from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat_spmd, recompute_time,
+                                  spmd_memory)
 from jaxhybrid.plan.step_model import StepTime, engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import SCHEDULES, Schedule, Task, TaskType, make_schedule
@@ -383,8 +385,16 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
     if budget is not None:
-        remat = choose_remat_spmd(costs, cuts, sched, budget, param_state_factor=param_state_factor,
-                                  **shard)
+        try:
+            remat = choose_remat_spmd(costs, cuts, sched, budget,
+                                      param_state_factor=param_state_factor, **shard)
+        except MemoryBudgetError as e:
+            if boundaries is not None:
+                raise
+            cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e, num_microbatches=M,
+                                        param_state_factor=param_state_factor, **shard)
+            cuts, order, sc = _cuts_and_order(times, t, S, M, data, objective, topology,
+                                              device_order, cuts, max_mapping_rounds, link)
     fwd = stage_sums([c.fwd_time for c in times], cuts)
     bwd = stage_sums([c.bwd_time for c in times], cuts)
     bwd = bwd + recompute_time(times, cuts, remat)
