@@ -124,11 +124,9 @@ def _unpack_collection(pipe, collection: str, buffers: dict) -> list:
     return _unpack_rows(pipe, collection, buffers, packing.unpack, jnp)
 
 
-def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict,
-                     dtypes=None) -> dict:
+def _pack_collection(pipe, collection: str, per_layer: list, lengths: dict, dtypes=None):
     """(Traced) inverse of `_unpack_collection`: stacked [S, length] buffers."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack, jnp,
-                      dtypes)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack, jnp.stack, jnp, dtypes)
 
 
 def _stage_spec(pipe) -> P:
@@ -164,8 +162,7 @@ def _unpack_host(pipe, collection: str, buffers: dict) -> list:
 
 def _pack_host(pipe, collection: str, per_layer: list, lengths: dict, dtypes=None) -> dict:
     """`_pack_collection` on the host (numpy)."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np,
-                      dtypes)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np, dtypes)
 
 
 def _host_value(leaf) -> np.ndarray:

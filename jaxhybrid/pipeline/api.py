@@ -19,7 +19,8 @@ from jaxhybrid.pipeline import (async_weights, layouts, optimizer_checks, packin
                                 runtime, tables, zero)
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
-                                         checked_zero, on_every_process, one_microbatch,
+                                         checked_layers, checked_zero, on_every_process,
+                                         one_microbatch,
                                          rng_hint, TRAIN_STEP_CALL)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
@@ -80,11 +81,7 @@ class Pipeline(PipelineVariables):
                                              num_microbatches)
         if self.splitter is not None:
             self.splitter.check_counted_options(boundaries, plan, remat)
-        self.layers = list(layers)
-        if not self.layers or not all(isinstance(l, nn.Module) for l in self.layers):
-            raise ValueError("Pipeline: layers must be one model (linen or NNX) or a non-empty "
-                             "list of flax.linen Modules; NNX layers go in one nnx.Module "
-                             "(e.g. an nnx.List of them, called in order).")
+        self.layers = checked_layers(layers)
         self.mesh = checked_mesh(mesh)
         # Tensor parallelism: stage buffers are stacked over (pipe, model) shards.
         self.model = int(dict(mesh.shape).get(MODEL, 1))

@@ -128,6 +128,17 @@ def batch_size_of(tree: PyTree, what: str) -> int:
     return batch.pop()
 
 
+def checked_layers(layers) -> list:
+    """The layers as a list; a ValueError naming what they must be."""
+    import flax.linen as nn
+    layers = list(layers)
+    if not layers or not all(isinstance(l, nn.Module) for l in layers):
+        raise ValueError("Pipeline: layers must be one model (linen or NNX) or a non-empty "
+                         "list of flax.linen Modules; NNX layers go in one nnx.Module "
+                         "(e.g. an nnx.List of them, called in order).")
+    return layers
+
+
 def one_microbatch(sample: PyTree, n: int) -> PyTree:
     """The first microbatch of `sample` when it divides into `n` (data x microbatches),
     else `sample` as given (one microbatch already, or one example)."""
