@@ -18,6 +18,7 @@ collectives; the number of CPU devices per process comes from `JAX_NUM_CPU_DEVIC
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -213,9 +214,38 @@ def process_0s(items: list) -> list:
     return [type(x)(**d) for x, d in zip(items, chosen)]
 
 
+# A stop signal on one process, recorded while the training loop defers it (see
+# `signals_deferred`): the signal's name, or None.
+_STOP: dict = {"deferred": 0, "signal": None}
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Inside, a stop signal on one process is recorded (`stop_requested`) instead of raised:
+    the training loop ends the step in flight, its record and its checkpoint, then stops.
+    Raised at once, a KeyboardInterrupt while the host waited for a step lost the state
+    donated to that step ("Array has been deleted"): no checkpoint was written, and a
+    save or an evaluation cut short left a log line naming a checkpoint that was not
+    there, or records that were not. Outside (start-up), and at a second signal, it is
+    raised as before."""
+    if not _STOP["deferred"]:
+        _STOP["signal"] = None      # a stop that ended an earlier loop of this process
+    _STOP["deferred"] += 1
+    try:
+        yield
+    finally:
+        _STOP["deferred"] -= 1
+
+
+def stop_requested() -> str | None:
+    """The name of a stop signal received inside `signals_deferred`, else None."""
+    return _STOP["signal"]
+
+
 def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
     """SIGTERM (what SLURM, Kubernetes and `launch_local.py` send to stop a run) ends the
-    run like Ctrl-C: on one process as a KeyboardInterrupt, so the training loop saves
+    run like Ctrl-C: on one process as a KeyboardInterrupt (inside the training loop at
+    the end of the step in flight, `signals_deferred`), so the training loop saves
     its last step and waits for the checkpoint being written (SIGTERM's default killed
     the process at once and dropped that write); if it has not ended `grace_s` later (the
     main thread stuck in a compile or a collective), it exits then. On several processes
@@ -233,7 +263,8 @@ def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
 
     import jax
     several = jax.process_count() > 1
-    stops = {signal.SIGTERM, *([signal.SIGINT] if several else [])}
+    stops = {signal.SIGTERM, signal.SIGINT}
+    _STOP["signal"] = None
 
     def exit_now(signum: int, why: str) -> None:
         sys.stderr.write(f"process {jax.process_index()}: stopped by "
@@ -243,7 +274,11 @@ def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
 
     def handler(signum, frame):   # the main thread, between two Python instructions
         if not several:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if _STOP["deferred"] and _STOP["signal"] is None:
+                _STOP["signal"] = name        # the loop stops after this step
+                return
+            raise KeyboardInterrupt(name)
 
     def watch(fd: int) -> None:
         while True:

@@ -408,8 +408,9 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
                disable=None if writer is not None else True)
     trace = ProfilerTrace(config.profile, workdir, b.start + 1)
+    steps = _steps_until_stopped(b.start + 1, t.steps)
     try:
-        for step in range(b.start + 1, t.steps + 1):
+        for step in steps:
             trace.before(step)
             batch = next(batches, None)
             if batch is None:
@@ -443,14 +444,17 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 bar.set_postfix(loss=f"{record['train_loss']:.4f}")
                 final, window, timed, tick = record, [], 0, time.time()
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
-                saving, last_saved = time.time(), step
+                saving = time.time()
                 b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step,
                                                     "loss_window": list(window)})
+                last_saved = step                 # once saved (a stop may cut the save)
                 tick += time.time() - saving                            # not a step's time
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
     except KeyboardInterrupt:               # Ctrl-C, or SIGTERM (distributed.stop_on_signals)
-        if done > (last_saved or 0) and jax.process_count() == 1:
+        # A second signal may land inside a step, after its state was donated to it.
+        whole = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
+        if done > (last_saved or 0) and jax.process_count() == 1 and whole:
             last_saved = done
             b.ckpt.save(done, run.pipe, state, {"rng": rng_data, "data_position": done,
                                                 "loss_window": list(window)})
@@ -458,9 +462,20 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                         "same command resumes from it)", done, last_saved)
         raise
     finally:
+        steps.close()                       # signals are raised at once again
         trace.close()
         bar.close()
     return final
+
+
+def _steps_until_stopped(first: int, last: int):
+    """first .. last, under `distributed.signals_deferred`: a stop signal ends the run
+    after the step in flight, its record and its checkpoint (KeyboardInterrupt then)."""
+    with distributed.signals_deferred():
+        for step in range(first, last + 1):
+            yield step
+            if distributed.stop_requested():
+                raise KeyboardInterrupt(distributed.stop_requested())
 
 
 def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:

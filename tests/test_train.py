@@ -360,3 +360,40 @@ def test_a_workdir_in_use_by_another_run_is_refused_naming_it(tmp_path):
         held.release()
     final = train.train_and_evaluate(gpt_config(), tmp_path)   # free again: it runs
     assert final["step"] == gpt_config().train.steps
+
+
+def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path, monkeypatch):
+    # Raised at once, the KeyboardInterrupt landed while the host waited for the step,
+    # whose input state was donated: "Array has been deleted", no checkpoint (3 of 3
+    # real SIGTERMs), and records or a checkpoint cut short. Now the step, its record
+    # and checkpoint finish, then the run stops; the resumed run is the uninterrupted one.
+    import os
+    import signal
+    from jaxhybrid import distributed
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    make = train.make_train_step
+
+    def patched(run, t):
+        step, calls = make(run, t), [0]
+
+        def wrapped(*args):
+            calls[0] += 1
+            out = step(*args)                 # `state` is donated to it
+            if calls[0] == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        return wrapped
+    try:
+        distributed.stop_on_signals(grace_s=600, _exit=lambda code: None)
+        with monkeypatch.context() as m:
+            m.setattr(train, "make_train_step", patched)
+            with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+                train.train_and_evaluate(gpt_config(), tmp_path)
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).latest_step() == 5
+    assert sorted(losses(tmp_path)) == sorted(s for s in losses(reference[0]) if s <= 5)
+    train.train_and_evaluate(gpt_config(), tmp_path)
+    assert losses(tmp_path) == losses(reference[0])          # bit for bit
