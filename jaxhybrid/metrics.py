@@ -30,7 +30,10 @@ def metric_sums(metrics_fn, outputs, targets, mask):
     rows = jax.vmap(lambda o, t: metrics_fn(one(o), one(t)))(outputs, targets)
     count = rows.pop("count", jnp.ones(mask.shape, jnp.float32))
     weight = count * mask
-    return {k: jnp.sum(v * weight) for k, v in rows.items()}, jnp.sum(weight)
+    # where, not v x 0: a left-out row's NaN (padding a model normalises, a label past
+    # the classes) made the whole sum NaN.
+    return ({k: jnp.sum(jnp.where(weight > 0, v * weight, 0.0)) for k, v in rows.items()},
+            jnp.sum(weight))
 
 
 def evaluate(run: Run, variables, max_batches: int = 0) -> dict:

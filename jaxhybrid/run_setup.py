@@ -128,7 +128,20 @@ def prepare(config, train_data: Callable[[], Iterable] | None = None,
     sample, sample_targets = jax.tree.map(
         lambda a: np.repeat(np.asarray(a)[:1], t.batch_size, axis=0), first)
     _check_model_degree(spec, sample, model)
+    check_loss_on_model(pipe, spec, sample, sample_targets)
     return Run(spec, mesh, pipe, train_batches, eval_batches, sample, sample_targets)
+
+
+def check_loss_on_model(pipe, spec, inputs, targets) -> None:
+    """A split model's loss against its outputs on the first batch, before planning: a
+    loss that cannot take them failed in the first step, after planning and compiling,
+    with a traceback that named neither model.loss nor model.kwargs."""
+    if pipe.splitter is None:
+        return
+    try:
+        pipe.splitter.check_loss(pipe, spec.loss_fn, inputs, targets)
+    except ValueError as e:
+        raise ConfigError(f"model.loss / model.kwargs: {str(e).splitlines()[0]}") from None
 
 
 def _check_settings(config) -> None:
@@ -258,7 +271,13 @@ def build_pipeline(config, spec, mesh, boundaries=None, remat=None) -> jp.Pipeli
     p = config.pipeline
     if boundaries is None and p.boundaries is not None:
         boundaries = list(p.boundaries)
+    # One module is split at construction, on the dataset's first example: its
+    # boundaries count pieces (refused without a sample: "pass sample_inputs="), and its
+    # loss can be checked against its outputs before planning (`check_loss_on_model`).
+    sample = (None if spec.module is None else
+              spec.sample_batch(config.train.batch_size)[0])
     return jp.Pipeline(spec.pipeline_model, mesh=mesh, num_microbatches=p.num_microbatches,
+                       sample_inputs=sample,
                        schedule=p.schedule, boundaries=boundaries,
                        virtual_stages=p.virtual_stages if p.schedule == "interleaved" else None,
                        remat=p.remat if remat is None else remat,

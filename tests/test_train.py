@@ -13,6 +13,7 @@ import shutil
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -397,3 +398,17 @@ def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path,
     assert sorted(losses(tmp_path)) == sorted(s for s in losses(reference[0]) if s <= 5)
     train.train_and_evaluate(gpt_config(), tmp_path)
     assert losses(tmp_path) == losses(reference[0])          # bit for bit
+
+
+def test_rows_left_out_of_the_evaluation_cannot_poison_it():
+    # A padding row's NaN (a model normalising zero rows, a label past the classes) made
+    # eval_loss NaN although its mask was False.
+    from jaxhybrid.models.spec import classification_metrics
+    logits = jnp.array([[2.0, 0.0], [jnp.nan, 1.0], [0.0, 3.0]])
+    labels = jnp.array([0, 1, 99])
+    sums, count = metrics.metric_sums(classification_metrics, logits, labels,
+                                      jnp.array([True, False, False]))
+    want = float(jax.nn.logsumexp(logits[0]) - logits[0, 0])
+    assert float(count) == 1.0
+    np.testing.assert_allclose(float(sums["loss"]), want, rtol=1e-6)
+    assert float(sums["accuracy"]) == 1.0

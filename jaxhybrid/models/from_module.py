@@ -21,12 +21,17 @@ import numpy as np
 
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
                                    classification_metrics)
+from jaxhybrid.layers import check_loss_fn
 from jaxhybrid.splitter.trace import is_flax_module
 
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
 LOSSES = {
-    "classification": lambda info: (classification_loss, classification_metrics),
-    "token": lambda info: (TokenLoss(info.get("pad_id")), TokenMetrics(info.get("pad_id"))),
+    "classification": lambda info: (
+        EnoughScores(classification_loss, info.get("num_classes"), "classes"),
+        classification_metrics),
+    "token": lambda info: (
+        EnoughScores(TokenLoss(info.get("pad_id")), info.get("vocab_size"), "tokens"),
+        TokenMetrics(info.get("pad_id"))),
 }
 # The loss a dataset's task takes when model.loss is not set.
 TASK_LOSSES = {"classification": "classification", "language_model": "token",
@@ -51,6 +56,23 @@ def import_object(path: str, what: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnoughScores:
+    """A built-in loss that first checks the model scores as many classes (or tokens) as
+    the dataset has: with fewer, labels past them gave a NaN loss at step 1, blamed on
+    the learning rate ("the run diverged")."""
+    loss_fn: Callable
+    count: int | None
+    what: str
+
+    def __call__(self, outputs, targets):
+        if self.count and outputs.shape[-1] < self.count:
+            raise ValueError(f"Pipeline: the model scores {outputs.shape[-1]} {self.what} but the "
+                             f"dataset has {self.count}; set the model's output size (e.g. "
+                             f"in model.kwargs) to {self.count}.")
+        return self.loss_fn(outputs, targets)
+
+
+@dataclasses.dataclass(frozen=True)
 class LossOnlyMetrics:
     """Metrics of a user loss: {"loss"} (frozen: equal losses hash equal)."""
     loss_fn: Callable
@@ -72,6 +94,10 @@ def losses(loss: str | None, task: str, info: dict) -> tuple[Callable, Callable]
     if not callable(fn):
         raise ValueError(f"model.loss={loss!r} is not callable; name a loss_fn(outputs, "
                          f"targets) -> scalar.")
+    try:   # its signature now, not in the first step's trace after planning
+        check_loss_fn(fn, f"model.loss={loss!r}")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     return fn, LossOnlyMetrics(fn)
 
 
@@ -81,6 +107,10 @@ def build(path: str, kwargs: dict, loss: str | None, task: str, info: dict,
     `task` (its `info`; `example`: one (inputs, targets) row of it)."""
     factory = import_object(path, "model.module")
     if is_flax_module(factory):
+        if kwargs:   # they changed nothing, silently (config.json recorded them)
+            raise ValueError(f"model.module={path!r} names a module instance, which "
+                             f"model.kwargs={kwargs} cannot change; name its class or a "
+                             f"factory function, or drop model.kwargs.")
         model = factory                      # a module instance named directly
     else:
         try:

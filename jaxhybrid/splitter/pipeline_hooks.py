@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.layers import scalar_loss
 from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, rng_hint
 from jaxhybrid.splitter.model import SplitModel
 from jaxhybrid.splitter.trace import is_flax_module
@@ -126,7 +127,7 @@ class ModelSplitter:
             step = value_and_grad(loss_fn, **kwargs)
 
             def tied_step(variables, inputs, targets, rng=None):
-                self._check_loss(pipe, loss_fn, inputs, targets)
+                self.check_loss(pipe, loss_fn, inputs, targets)
                 loss, grads, new = step(variables, inputs, targets, rng)
                 grads, new = sync_packed(pipe, self.split, grads, new)
                 return loss, grads, new
@@ -171,7 +172,7 @@ class ModelSplitter:
             return tied_step
         return wrapped
 
-    def _check_loss(self, pipe, loss_fn, inputs, targets):
+    def check_loss(self, pipe, loss_fn, inputs, targets):
         """loss_fn against the model's outputs, before the step is traced. Only for
         inputs and targets the pipeline's own checks would pass (one batch size, a
         multiple of the microbatch count, arrays): for others those checks say what is
@@ -196,15 +197,25 @@ class ModelSplitter:
             raise
         except Exception:   # noqa: BLE001 - the step's own checks name the fault
             return
-        try:
-            jax.eval_shape(loss_fn, out, mb(targets))
+        try:   # as the step calls it: a per-example or tuple loss is named here too
+            jax.eval_shape(lambda o, t: scalar_loss(loss_fn, o, t, "Pipeline",
+                                                    "the mean loss of one microbatch"),
+                           out, mb(targets))
+        except ValueError as e:
+            if str(e).startswith("Pipeline: "):   # ours (scalar_loss, the class count)
+                raise
+            raise self._outputs_error(out, e) from e
         except Exception as e:  # noqa: BLE001 - any failure means the same fix
-            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
-            raise ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
-                             f"outputs {shapes} ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
-                             f"them.") from e
+            raise self._outputs_error(out, e) from e
         self._checked.add(key)
+
+    @staticmethod
+    def _outputs_error(out, e) -> ValueError:
+        shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
+        return ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
+                          f"outputs {shapes} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
+                          f"them.")
 
 
 # --- keeping copies of a variable identical in packed buffers ------------------------
