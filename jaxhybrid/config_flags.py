@@ -116,13 +116,17 @@ def _parent_of(config: ml_collections.ConfigDict, key: str):
 
 
 def open_model_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Unlocks config.model.overrides in a locked config: it holds any of the model's
-    options (`--config.model.overrides.num_heads=2` for one the config file does not
-    name); the model refuses unknown ones, naming its valid options."""
-    model = config.get("model") if isinstance(config, ml_collections.ConfigDict) else None
-    if isinstance(model, ml_collections.ConfigDict) and isinstance(
-            model.get("overrides"), ml_collections.ConfigDict):
-        model.overrides.unlock()
+    """Unlocks config.model.overrides and config.data.options in a locked config: they
+    hold any of the model's or dataset's options (`--config.model.overrides.num_heads=2`
+    for one the config file does not name); the model and the dataset refuse unknown
+    ones, naming their valid options."""
+    for group, field in (("model", "overrides"), ("data", "options")):
+        # data.options too: a dataset's option the config file does not set was refused
+        # with the file's keys as "valid keys"; the dataset checks the names itself.
+        node = config.get(group) if isinstance(config, ml_collections.ConfigDict) else None
+        if isinstance(node, ml_collections.ConfigDict) and isinstance(
+                node.get(field), ml_collections.ConfigDict):
+            node[field].unlock()
     return config
 
 

@@ -140,3 +140,15 @@ def test_script_reports_a_bad_config_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("error: mesh")
     assert "only 8 are available" in out.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_datasets_option_the_config_file_does_not_set_is_taken():
+    # data.options was locked: test_fraction (a digits option the file does not set)
+    # was refused with the file's keys as the "valid keys"; a misspelt one is the
+    # dataset's to refuse, naming its options.
+    from jaxhybrid import train
+    config = load_config("inception_hybrid.py", {"data.options.test_fraction": 0.25,
+                                                 "model.size": "tiny"})
+    assert config.data.options.test_fraction == 0.25
+    with pytest.raises(ValueError, match="test_fractoin"):
+        train.prepare(load_config("inception_hybrid.py", {"data.options.test_fractoin": 0.25}))
