@@ -442,6 +442,11 @@ def test_bad_constructor_arguments_are_named():
     with pytest.raises(ValueError, match=r"remat=\[True, False\] must be .* a list of 2 of "
                                          r"those \(one per stage\), or a list of \d+ bools"):
         make(remat=[True, False], boundaries=[1])
+    # A policy factory's name was taken, then failed in the first step ("unexpected
+    # keyword argument 'dimension_numbers'"), and the refusal listed the factories.
+    with pytest.raises(ValueError, match=r"save_only_these_names makes a policy from names.*"
+                                         r"the policies: checkpoint_dots"):
+        make(remat="save_only_these_names")
 
 
 def test_pack_after_init_refuses_variables_unlike_the_layout():

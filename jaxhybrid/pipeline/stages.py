@@ -16,12 +16,25 @@ PyTree = Any
 STAGE_REMAT_CHOICES = ("none", "full")
 
 
+def _is_policy(policy) -> bool:
+    """A policy answers whether a primitive's output is saved; a policy factory
+    (save_only_these_names, offload_dot_with_no_batch_dims, ...) makes one from names."""
+    try:
+        return isinstance(policy(jax.lax.add_p), bool)
+    except TypeError:
+        return False
+
+
 def _policy(name: str):
     policy = getattr(jax.checkpoint_policies, name, None) if isinstance(name, str) else None
-    if policy is None or name.startswith("_"):
-        names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
+    if policy is None or name.startswith("_") or not _is_policy(policy):
+        names = [n for n in dir(jax.checkpoint_policies)
+                 if not n.startswith("_") and _is_policy(getattr(jax.checkpoint_policies, n))]
+        made = (f" ({name} makes a policy from names: apply jax.checkpoint with it inside "
+                f"the layer)" if policy is not None else "")
         raise ValueError(f"remat {name!r} is neither 'none', 'full', 'auto' nor a "
-                         f"jax.checkpoint_policies name ({', '.join(names)}).")
+                         f"jax.checkpoint_policies policy{made}; the policies: "
+                         f"{', '.join(names)}.")
     return policy
 
 
