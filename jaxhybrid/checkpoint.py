@@ -162,7 +162,8 @@ def _unpack_host(pipe, collection: str, buffers: dict) -> list:
 
 def _pack_host(pipe, collection: str, per_layer: list, lengths: dict, dtypes=None) -> dict:
     """`_pack_collection` on the host (numpy)."""
-    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np, dtypes)
+    return _pack_rows(pipe, collection, per_layer, lengths, packing.pack_numpy, np.stack, np,
+                      dtypes)
 
 
 def _host_value(leaf) -> np.ndarray:

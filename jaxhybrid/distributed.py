@@ -264,7 +264,6 @@ def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
     import jax
     several = jax.process_count() > 1
     stops = {signal.SIGTERM, signal.SIGINT}
-    _STOP["signal"] = None
 
     def exit_now(signum: int, why: str) -> None:
         sys.stderr.write(f"process {jax.process_index()}: stopped by "

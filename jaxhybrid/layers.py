@@ -116,6 +116,11 @@ def check_loss_fn(loss_fn, who: str) -> None:
                         f"targets) ({e}); wrap it, e.g. lambda outputs, targets: ...") from None
 
 
+class LossError(ValueError):
+    """A loss that cannot give the step what it needs (a tuple, an integer, a per-example
+    loss, fewer scores than the dataset's classes), said in one line naming the fix."""
+
+
 def loss_dtype():
     """The dtype losses are summed and seeded in: jax's default float (float64 under
     jax_enable_x64, else float32). Fixed at float32, an x64 model's loss came back
@@ -124,26 +129,26 @@ def loss_dtype():
 
 
 def scalar_loss(loss_fn, outputs: PyTree, targets: PyTree, who: str, what: str) -> jax.Array:
-    """loss_fn(outputs, targets) as a scalar of `loss_dtype()`. A loss that is not one (an unreduced
-    per-example loss, a (loss, aux) tuple) is refused while the step is traced, naming
+    """loss_fn(outputs, targets) as a scalar of `loss_dtype()`. A loss that is not one (an
+    unreduced per-example loss, a (loss, aux) tuple) is refused while the step is traced, naming
     `what` it must be: else it surfaced as a cond / switch type error or a shape error
     deep inside the step."""
     raw = loss_fn(outputs, targets)
     if isinstance(raw, (tuple, list, dict)):
         # jax.value_and_grad(has_aux=True)'s habit: (loss, {"acc": ...}) failed inside
         # jnp.asarray 18 frames deep, and (loss, 1.0) was called "shape (2,)".
-        raise ValueError(f"{who}: loss_fn returned a {type(raw).__name__}; it must return "
+        raise LossError(f"{who}: loss_fn returned a {type(raw).__name__}; it must return "
                          f"a scalar, the loss alone ({what}): compute auxiliary values "
                          f"(accuracy, ...) outside, e.g. from pipe.apply.")
     dtype = getattr(raw, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         # jax.grad refuses an integer output; cast to float32 here it had zero gradients.
-        raise ValueError(f"{who}: loss_fn returned dtype {dtype}; it must return a float "
+        raise LossError(f"{who}: loss_fn returned dtype {dtype}; it must return a float "
                          f"scalar ({what}): an integer loss has no gradient, so drop the "
                          f"cast to an integer or bool.")
     loss = jnp.asarray(raw, loss_dtype())
     if loss.shape != ():
-        raise ValueError(f"{who}: loss_fn returned shape {loss.shape}; it must return a scalar "
+        raise LossError(f"{who}: loss_fn returned shape {loss.shape}; it must return a scalar "
                          f"({what}): reduce it, e.g. jnp.mean(...), and compute auxiliary "
                          f"values outside.")
     return loss

@@ -93,8 +93,8 @@ def check_step_memory(compiled, budget, planned: float | None, limit: float | No
         return "memory per device: not reported by this backend"
     line = f"memory per device: the compiled step needs {fmt_bytes(need)}" + (
         f" (the planner's model: {fmt_bytes(planned)})" if planned else "")
-    fix = ("set pipeline.remat='full' (recompute every stage), or use more pipeline stages "
-           "or smaller microbatches (more of them)")
+    more_stages = "use more pipeline stages or smaller microbatches (more of them)"
+    fix = "set pipeline.remat='full' (recompute every stage), or " + more_stages
     if limit and need > limit:
         raise ConfigError(f"the compiled training step needs {fmt_bytes(need)} per device, more "
                           f"than the device's {fmt_bytes(limit)}; {fix}.")
@@ -104,8 +104,7 @@ def check_step_memory(compiled, budget, planned: float | None, limit: float | No
         logging.warning("the compiled step needs %s per device, over pipeline.memory_budget=%s "
                         "(the planner's model: %s); %s%s.", fmt_bytes(need), budget,
                         fmt_bytes(planned) if planned else "not planned", more,
-                        fix.replace("set pipeline.remat='full' (recompute every stage), or ",
-                                    "") if recomputes_all else fix)
+                        more_stages if recomputes_all else fix)
     return line
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
                                    classification_metrics)
-from jaxhybrid.layers import check_loss_fn
+from jaxhybrid.layers import LossError, check_loss_fn
 from jaxhybrid.splitter.trace import is_flax_module
 
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
@@ -66,9 +66,9 @@ class EnoughScores:
 
     def __call__(self, outputs, targets):
         if self.count and outputs.shape[-1] < self.count:
-            raise ValueError(f"Pipeline: the model scores {outputs.shape[-1]} {self.what} but the "
-                             f"dataset has {self.count}; set the model's output size (e.g. "
-                             f"in model.kwargs) to {self.count}.")
+            raise LossError(f"the model scores {outputs.shape[-1]} {self.what} but the "
+                            f"dataset has {self.count}; set the model's output size (e.g. "
+                            f"in model.kwargs) to {self.count}.")
         return self.loss_fn(outputs, targets)
 
 

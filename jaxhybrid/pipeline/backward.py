@@ -4,8 +4,9 @@ W (weight gradient) without recomputing anything.
 `Residuals` turns the vjp function of a stage's forward into stashable leaves (parameters
 are not stashed: the backward re-reads them from the stage buffers). `SplitBackward`
 traces the backward once to a jaxpr and partitions its equations: B gets every equation
-the input gradient needs, and those with effects (callbacks); W gets the rest of what the parameter gradient needs, reading
-the values B computed that it uses (the intermediate cotangents) from a stash. So W runs
+the input gradient needs, and those with effects (callbacks); W gets the rest of what the
+parameter gradient needs, reading the values B computed that it uses (the intermediate
+cotangents) from a stash. So W runs
 no forward operation and repeats no B operation (`tests/test_schedules_runtime.py`
 checks its jaxpr).
 """

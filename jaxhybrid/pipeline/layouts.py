@@ -102,8 +102,8 @@ def floats(tree: PyTree) -> list:
 def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, gmb, loss_fn,
                   global_microbatches: int, train: bool, residuals: Residuals,
                   output_shape: list | None = None):
-    """Stage k under jax.vjp. Returns (loss / (data x M) on the last stage, else the output's float
-    leaves; kept residuals; new state; the output's other leaves). Appends the stage
+    """Stage k under jax.vjp. Returns (loss / (data x M) on the last stage, else the
+    output's float leaves; kept residuals; new state; the output's other leaves). Appends the stage
     output's abstract tree (even the last stage's, whose loss it returns) to
     `output_shape` when given."""
     xf, xi, xmask = split_float(x)

@@ -121,13 +121,15 @@ def single_stage_program(eng: Engine, loss_fn: Callable, train: bool, has_rng: b
 
         # The first microbatch starts the sums (no zero-filled accumulator to add into).
         first = jax.tree.map(lambda a: a[0], (xs, ys))
-        (state, grads, loss), _ = microbatch((state, None, jnp.zeros((), loss_dtype())), (jnp.int32(0), *first))
+        (state, grads, loss), _ = microbatch((state, None, jnp.zeros((), loss_dtype())),
+                                             (jnp.int32(0), *first))
         if M > 1:
             rest = jax.tree.map(lambda a: a[1:], (jnp.arange(M), xs, ys))
             (state, grads, loss), _ = lax.scan(microbatch, (state, grads, loss), rest)
         g_bufs = packing.pack(stage.params, grads, eng.param_len)
         new_state = {c: packing.pack(stage.state[c], state[c], eng.state_len[c]) for c in stage.state}
-        mean, total = functools.partial(data_mean, eng.data), functools.partial(data_sum, eng.data)
+        mean = functools.partial(data_mean, eng.data)
+        total = functools.partial(data_sum, eng.data)
         return (total(loss), {k: total(v)[None] for k, v in g_bufs.items()},
                 {c: {k: mean(v)[None] for k, v in b.items()} for c, b in new_state.items()},
                 p_bufs, opt_state)

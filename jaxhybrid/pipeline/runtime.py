@@ -127,7 +127,7 @@ def data_mean(data: int, v: jax.Array) -> jax.Array:
         return v
     if jnp.issubdtype(v.dtype, jnp.integer):
         q, r = jnp.floor_divide(v, data), jnp.remainder(v, data).astype(jnp.int32)
-        return (lax.psum(q, DATA) + (lax.psum(r, DATA) // data).astype(v.dtype)).astype(v.dtype)
+        return lax.psum(q, DATA) + (lax.psum(r, DATA) // data).astype(v.dtype)
     wide = jnp.promote_types(v.dtype, jnp.float32)
     return lax.pmean(v.astype(wide), DATA).astype(v.dtype)
 
@@ -172,7 +172,8 @@ def forward_branch(job: Job, k: int):
             return packing.zeros(lay.act_len), res, st_bufs, out
         mask = [differentiable(d) for d in lay.act[k + 1].dtypes]
         y = merge_float(jax.tree.structure([0] * len(mask)), mask, out, yi)
-        return packing.pack(lay.act[k + 1], y, lay.act_len), res, st_bufs, jnp.zeros((), loss_dtype())
+        return (packing.pack(lay.act[k + 1], y, lay.act_len), res, st_bufs,
+                jnp.zeros((), loss_dtype()))
     return run
 
 
@@ -418,7 +419,8 @@ def train_program(job: Job, ctl: ControlTable, optimizer=None):
                   stash=packing.zeros(lay.res_len, (sizes["stash"],)),
                   cross=packing.zeros(lay.cross_len, (sizes["cross"],)),
                   acc={k: jnp.zeros_like(v) for k, v in p_bufs.items()},
-                  state={col: _local(b) for col, b in st_bufs.items()}, loss=jnp.zeros((), loss_dtype()),
+                  state={col: _local(b) for col, b in st_bufs.items()},
+                  loss=jnp.zeros((), loss_dtype()),
                   params=p_bufs if optimizer is not None else None,
                   opt_state=jax.tree.map(_squeeze, opt_state),
                   versions=async_weights.initial_versions(job.weights, sizes["versions"], p_bufs),

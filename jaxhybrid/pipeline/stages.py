@@ -110,10 +110,10 @@ Loss = Callable[[PyTree, PyTree], jax.Array]
 
 def microbatch_loss(loss_fn: Loss, outputs: PyTree, targets: PyTree, global_microbatches: int):
     """loss_fn(outputs, targets) / (data x M), the microbatch's share of the global mean, as
-    a scalar of `layers.loss_dtype()` (`layers.scalar_loss`: a loss that is not a scalar surfaced as "switch
-    branches must have equal output types"). Scaled by the data replicas too, and summed
-    over them after: seeded with 1 / M and averaged over "data" after, every backward
-    rule saw a cotangent `data` times jax.grad's, and one not linear in it (a
-    custom_vjp clipping its gradient) gave gradients that hung on the layout."""
+    a scalar of `layers.loss_dtype()` (`layers.scalar_loss`: a loss that is not a scalar
+    surfaced as "switch branches must have equal output types"). Scaled by the data
+    replicas too, and summed over them after: seeded with 1 / M and averaged over "data"
+    after, every backward rule saw a cotangent `data` times jax.grad's, and one not linear
+    in it (a custom_vjp clipping its gradient) gave gradients that hung on the layout."""
     return scalar_loss(loss_fn, outputs, targets, "Pipeline",
                        "the mean loss of one microbatch") / global_microbatches

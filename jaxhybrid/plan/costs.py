@@ -71,14 +71,12 @@ def _nbytes(tree) -> int:
 
 
 def float_bytes_by_dtype(tree) -> dict:
-    """{dtype name: bytes} of the floating (differentiable) leaves of `tree`."""
+    """{dtype name: bytes} of the floating (differentiable, `_is_float`) leaves of `tree`."""
     import jax
-    import jax.numpy as jnp
     out: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        dtype = np.dtype(leaf.dtype)
-        if jnp.issubdtype(dtype, jnp.inexact):
-            out[dtype.name] = out.get(dtype.name, 0) + int(np.prod(np.shape(leaf))) * dtype.itemsize
+    for leaf in filter(_is_float, jax.tree.leaves(tree)):
+        name = np.dtype(leaf.dtype).name
+        out[name] = out.get(name, 0) + _nbytes(leaf)
     return out
 
 
@@ -381,7 +379,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   in_bytes=_nbytes(x), out_bytes=_nbytes(y),
                   saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
-                  cross_by_dtype=split.get("cross", {}), param_by_dtype=float_bytes_by_dtype(params),
+                  cross_by_dtype=split.get("cross", {}),
+                  param_by_dtype=float_bytes_by_dtype(params),
                   weight_saved_by_dtype=split.get("weight_saved", {}),
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),

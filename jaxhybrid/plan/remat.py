@@ -192,12 +192,12 @@ def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
     for a, b in ranges:
         cross, live = {}, {}
         for i, c in enumerate(costs[a:b], a):
-            scale = _residual_share(c)
             if r[i]:
                 share = _param_share(c)
                 for d, v in c.param_by_dtype.items():
                     cross[d] = cross.get(d, 0.0) + v * share
                 continue
+            scale = _residual_share(c)
             for d, v in c.cross_by_dtype.items():
                 cross[d] = cross.get(d, 0.0) + v * scale
             for d, v in c.weight_saved_by_dtype.items():
@@ -370,7 +370,8 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     # Nothing recomputed first: recomputing everything is not always the least (its
     # transient and a split backward's crossing gradients can outweigh the rows saved),
     # and budgets that needed no recompute were refused "even with full recompute".
-    if device(None)[1] <= budget:
+    none_dev = device(None)
+    if none_dev[1] <= budget:
         return [False] * L
     stages = []
     for a, b in ranges:
@@ -406,10 +407,11 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         if device(remat)[1] <= budget * (1 + 1e-12):
             return remat
     # max_caps thinned out the caps that work, or dtype padding broke them: full, if it fits.
-    least, how = min((device(full), "with full recompute"),
-                     (device(None), "without recompute"), key=lambda d: d[0][1])
-    if device(full)[1] <= budget:
+    full_dev = device(full)
+    if full_dev[1] <= budget:
         return full
+    least, how = min((full_dev, "with full recompute"), (none_dev, "without recompute"),
+                     key=lambda d: d[0][1])
     over = least[1] - budget
     raise MemoryBudgetError(
         f"the SPMD program needs {fmt_bytes(least[1])} per device {how}, the least of the "

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.layers import scalar_loss
-from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, rng_hint
+from jaxhybrid.layers import LossError
+from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, one_microbatch, rng_hint
+from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.splitter.model import SplitModel
 from jaxhybrid.splitter.trace import is_flax_module
 
@@ -46,7 +47,6 @@ def for_pipeline(layers, mesh, call_kwargs, sample_inputs, num_microbatches=1):
     stages = int(dict(getattr(mesh, "shape", {})).get("pipe", 1))
     s = ModelSplitter(layers, call_kwargs, None)
     if sample_inputs is not None:
-        from jaxhybrid.pipeline.arguments import one_microbatch   # as init takes it
         m = num_microbatches if isinstance(num_microbatches, int) and num_microbatches > 0 else 1
         s.split_at(one_microbatch(sample_inputs, int(dict(getattr(mesh, "shape", {})).get(
             "data", 1)) * m), stages)
@@ -198,24 +198,16 @@ class ModelSplitter:
         except Exception:   # noqa: BLE001 - the step's own checks name the fault
             return
         try:   # as the step calls it: a per-example or tuple loss is named here too
-            jax.eval_shape(lambda o, t: scalar_loss(loss_fn, o, t, "Pipeline",
-                                                    "the mean loss of one microbatch"),
-                           out, mb(targets))
-        except ValueError as e:
-            if str(e).startswith("Pipeline: "):   # ours (scalar_loss, the class count)
-                raise
-            raise self._outputs_error(out, e) from e
+            jax.eval_shape(lambda o, t: microbatch_loss(loss_fn, o, t, 1), out, mb(targets))
+        except LossError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure means the same fix
-            raise self._outputs_error(out, e) from e
+            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
+            raise ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
+                             f"outputs {shapes} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
+                             f"them.") from e
         self._checked.add(key)
-
-    @staticmethod
-    def _outputs_error(out, e) -> ValueError:
-        shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
-        return ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
-                          f"outputs {shapes} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
-                          f"them.")
 
 
 # --- keeping copies of a variable identical in packed buffers ------------------------
