@@ -4,8 +4,9 @@ A layer is any `flax.linen.Module`. Its `__call__(self, x)` takes the previous l
 output (any pytree) and returns the next activation (any pytree). If `__call__` accepts a
 keyword `train`, it gets `train=True` while training and `train=False` otherwise
 (BatchNorm: `use_running_average=not train`; Dropout: `deterministic=not train`);
-`training` and `is_training` are taken alike, and `deterministic` gets `not train`
-(`MODE_FLAGS`, the first one `__call__` accepts).
+`training` and `is_training` are taken alike, and `deterministic` and
+`use_running_average` get `not train` (`MODE_FLAGS`, the first one `__call__` accepts:
+flax's own `nn.Dropout` and `nn.BatchNorm` can be layers as they are).
 
 Collections other than "params" (e.g. "batch_stats") are *state*: mutable while training,
 frozen in evaluation. Dropout draws from the "dropout" rng, which is derived per
@@ -29,8 +30,10 @@ PyTree = Any
 # The mode flags a layer's (or a split model's) `__call__` may take, looked for in this
 # order: name -> its value while training. Haiku- and Keras-style code names it
 # `training` / `is_training`; a model taking those trained with dropout off and its
-# batch statistics frozen when only `train` was looked for.
-MODE_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+# batch statistics frozen when only `train` was looked for. flax's `nn.BatchNorm` as a
+# layer of its own takes `use_running_average` (without it, flax refused the call).
+MODE_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False,
+              "use_running_average": False}
 
 
 @functools.lru_cache(maxsize=None)

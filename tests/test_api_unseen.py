@@ -11,6 +11,7 @@ tracing or constructing, not from deep inside jax, flax or optax.
 """
 import functools
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -468,3 +469,89 @@ def test_pack_after_init_refuses_variables_unlike_the_layout():
         pipe.pack(renamed)
     pipe.value_and_grad(mse)(variables, X, jnp.zeros((8, 4)))   # init's variables still fit
     pipe.pack(per_layer)                                   # and their own copy packs
+
+
+class Scaled:
+    """A loss object with an attribute a researcher anneals between steps."""
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, out, t):
+        return self.w * mse(out, t)
+
+
+def test_a_new_step_traces_a_changed_loss_object_anew():
+    # The loss was traced once per loss object for the pipeline's life: after
+    # `loss.w = 0` a new train_step still returned the w=1 loss and gradients.
+    pipe, variables = _dense_pipe()
+    loss = Scaled(1.0)
+    l1, g1, _ = pipe.value_and_grad(loss)(variables, X, Y)
+    loss.w = 0.0
+    l0, g0, _ = pipe.value_and_grad(loss)(variables, X, Y)
+    assert float(l1) > 0 and float(l0) == 0.0
+    assert float(jax.tree.reduce(max, jax.tree.map(lambda a: jnp.abs(a).max(), g0))) == 0.0
+    tx = optax.sgd(0.1)
+    _, g, _, _ = pipe.train_step(loss, tx)(variables, pipe.init_optimizer(tx, variables), X, Y)
+    assert float(jax.tree.reduce(max, jax.tree.map(lambda a: jnp.abs(a).max(), g))) == 0.0
+
+
+def test_a_loss_that_is_a_pytree_holding_arrays_is_taken():
+    # A flax.struct.dataclass loss holding an array failed with "unhashable type".
+    @flax.struct.dataclass
+    class Weighted:
+        w: jax.Array
+
+        def __call__(self, out, t):
+            return jnp.mean(self.w * (out - t) ** 2)
+
+    pipe, variables = _dense_pipe()
+    loss = Weighted(jnp.linspace(0.5, 2.0, 4))
+    got, g, _ = pipe.value_and_grad(loss)(variables, X, Y)
+    want, g_ref, _ = jp.reference_value_and_grad(DENSE, pipe.unpack(variables), loss, X, Y,
+                                                 data=2, num_microbatches=2)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    _close([v.get("params", {}) for v in pipe.unpack(g)], g_ref)
+
+
+def test_flax_batchnorm_and_dropout_are_layers_as_they_are():
+    # nn.BatchNorm() as a layer of its own failed in flax ("use_running_average must be
+    # passed"): only train / training / is_training / deterministic were passed.
+    layers = [Dense(), nn.BatchNorm(momentum=0.5), nn.Dropout(0.5), Dense()]
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    variables = pipe.init(jax.random.key(0), X)
+    rng = jax.random.key(3)
+    loss, g, new = pipe.value_and_grad(mse)(variables, X, Y, rng)
+    per_layer = pipe.unpack(variables)
+    ref_loss, ref_g, ref_new = jp.reference_value_and_grad(layers, per_layer, mse, X, Y,
+                                                           data=2, num_microbatches=2, rng=rng)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([v.get("params", {}) for v in pipe.unpack(g)], ref_g)
+    _close(pipe.unpack(new)[1]["batch_stats"], ref_new[1]["batch_stats"])
+    h = X   # evaluation: running averages, no dropout
+    for layer, v in zip(layers, pipe.unpack(new)):
+        h = layer.apply(v, h, **({"use_running_average": True} if isinstance(layer, nn.BatchNorm)
+                                 else {"deterministic": True} if isinstance(layer, nn.Dropout)
+                                 else {}))
+    _close(pipe.apply(new, X), h)
+
+
+def test_the_documented_whole_batch_token_mean_recipe():
+    # docs/pipeline.md, "What the loss means": a masked mean over the whole batch, on a
+    # layout whose microbatches hold different numbers of valid entries.
+    pipe, variables = _dense_pipe()
+    B, mask = X.shape[0], jnp.asarray(np.random.RandomState(2).rand(8, 4) > 0.3, jnp.float32)
+    mask = mask.at[:2].set(0.0)   # the first microbatch holds fewer valid entries
+
+    def masked(out, t):
+        microbatches = B // t["y"].shape[0]
+        return jnp.sum(t["mask"] * (out - t["y"]) ** 2) / t["count"][0] * microbatches
+
+    t = {"y": Y, "mask": mask, "count": jnp.full((B,), mask.sum())}
+    got, g, _ = pipe.value_and_grad(masked)(variables, X, t)
+    whole = lambda params: jnp.sum(mask * (_sequential(DENSE, [{"params": p} for p in params], X)
+                                           - Y) ** 2) / mask.sum()
+    per_layer = pipe.unpack(variables)
+    want, g_ref = jax.value_and_grad(whole)([v["params"] for v in per_layer])
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    _close([v.get("params", {}) for v in pipe.unpack(g)], g_ref)

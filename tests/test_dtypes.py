@@ -165,3 +165,29 @@ def test_optimizer_state_of_another_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match=r"slot of dtype bfloat16 where this optimizer keeps "
                                          r"float32"):
         pipe.train_step(mse, tx)(variables, cast, x, x)
+
+
+class Keep(nn.Module):
+    """Scores and a bool mask of the rows to keep."""
+    @nn.compact
+    def __call__(self, x):
+        s = nn.Dense(4)(x)
+        return s, s.max(-1) > 0
+
+
+@pytest.mark.parametrize("pipe_size", [1, 2])
+def test_apply_returns_bool_outputs_as_bool(pipe_size):
+    # The outputs' psum over "pipe" made a bool mask int32: `x[keep]` then gathered rows 0
+    # and 1 instead of masking, and `~keep` gave -1 / -2.
+    layers = [DenseOf("float32"), Keep()]
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=pipe_size), num_microbatches=2,
+                       boundaries=[1] if pipe_size == 2 else [], remat="none")
+    x = jnp.asarray(np.random.RandomState(1).randn(8, 3), jnp.float32)
+    v = pipe.init(jax.random.key(0), x)
+    scores, keep = pipe.apply(v, x)
+    h = x
+    for layer, var in zip(layers, pipe.unpack(v)):
+        h = layer.apply(var, h)
+    assert keep.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(keep), np.asarray(h[1]))
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(h[0]), rtol=1e-5, atol=1e-6)

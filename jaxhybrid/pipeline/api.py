@@ -111,6 +111,7 @@ class Pipeline(PipelineVariables):
         self._layer_vars = None   # per layer: {collection: tree of ShapeDtypeStruct}
         self._init_program = None   # the jitted initialiser of `init_layers`
         self._cache: dict = {}
+        self._generation = 0   # bumped with each new layout: steps' own traces go stale
         if plan is not None:
             if plan.num_layers != L or plan.num_stages != S:
                 raise ValueError(f"Pipeline: the plan is for {plan.num_layers} layers on "
@@ -133,7 +134,11 @@ class Pipeline(PipelineVariables):
         self.ranges = stage_ranges(self.boundaries, len(self.layers))
         self.remat = remat
         self.programs = self._stage_programs(remat)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
         self._cache.clear()
+        self._generation += 1
 
     # --- planning -------------------------------------------------------------------
     def _microbatch_sample(self, sample_inputs):
@@ -233,7 +238,7 @@ class Pipeline(PipelineVariables):
         self.param_len = (zero.round_rest_lengths(lengths["params"], self.data) if self.zero
                           else lengths["params"])
         self.state_len = {c: lengths[c] for c in self.state_collections}
-        self._cache.clear()
+        self._reset_caches()
 
     @property
     def layer_shapes(self) -> list[dict]:
@@ -298,15 +303,19 @@ class Pipeline(PipelineVariables):
                              f"use a batch that is a multiple of {n}.")
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((b // n, *np.shape(a)[1:]), a.dtype), tree)
 
-    def _layouts(self, mb_inputs, mb_targets, loss_fn, train, rng):
-        key = ("layouts", jax.tree.structure(mb_inputs), str(mb_inputs), str(mb_targets),
-               loss_fn, train, rng is not None)
-        if key not in self._cache:
+    def _layouts(self, mb_inputs, mb_targets, loss_fn, train, rng, traced: dict):
+        """The stage layouts, with `loss_fn` traced into the last stage's; kept in
+        `traced`, the cache of one `value_and_grad` / `train_step` call, so that a new
+        call traces the loss anew (as `jax.jit(jax.value_and_grad(f))` does: a loss object
+        whose attributes changed kept its first trace), and a loss need not be hashable."""
+        key = (self._generation, jax.tree.structure(mb_inputs), str(mb_inputs),
+               str(mb_targets), train, rng is not None)
+        if key not in traced:
             with tensor_parallel.degree(self.model):   # local shapes, "model" bound
-                self._cache[key] = layouts.stage_layouts(
+                traced[key] = layouts.stage_layouts(
                     self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
                     split=self.schedule.split_backward)
-        return self._cache[key]
+        return traced[key]
 
     def _control(self, sched: Schedule) -> tables.ControlTable:
         key = ("control", sched)
@@ -314,7 +323,7 @@ class Pipeline(PipelineVariables):
             self._cache[key] = tables.control_table(sched)
         return self._cache[key]
 
-    def _train_body(self, loss_fn, inputs, targets, rng, train, optimizer):
+    def _train_body(self, loss_fn, inputs, targets, rng, train, optimizer, traced):
         """The per-device program of one step, for these shapes."""
         mb_in, mb_tg = self._microbatch(inputs, "inputs"), self._microbatch(targets, "targets")
         if batch_size_of(inputs, "inputs") != batch_size_of(targets, "targets"):
@@ -327,7 +336,7 @@ class Pipeline(PipelineVariables):
         if self.num_stages == 1 and optimizer is None:
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)
         rng_aval = jax.ShapeDtypeStruct(rng.shape, rng.dtype) if rng is not None else None
-        lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval)
+        lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval, traced)
         # Without an optimizer an asynchronous schedule computes the gradient of the
         # current weights (its table without U tasks).
         sched = (self.schedule.with_updates() if optimizer is not None
@@ -338,16 +347,17 @@ class Pipeline(PipelineVariables):
                                      async_weights.pipeline_optimizer(optimizer, sched,
                                                                       self.num_microbatches))
 
-    def _run_step(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng):
+    def _run_step(self, loss_fn, train, optimizer, traced, variables, opt_state, inputs,
+                  targets, rng):
         with tensor_parallel.degree(self.model):   # layers trace at their local shapes
-            return self._run_step_body(loss_fn, train, optimizer, variables, opt_state, inputs,
-                                       targets, rng)
+            return self._run_step_body(loss_fn, train, optimizer, traced, variables, opt_state,
+                                       inputs, targets, rng)
 
-    def _run_step_body(self, loss_fn, train, optimizer, variables, opt_state, inputs, targets,
-                       rng):
+    def _run_step_body(self, loss_fn, train, optimizer, traced, variables, opt_state, inputs,
+                       targets, rng):
         rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
         body = self._train_body(loss_fn, inputs, targets, None if rng is None else rng_arg,
-                                train, optimizer)
+                                train, optimizer, traced)
         state = {c: variables[c] for c in self.state_collections}
         opt_spec = zero.opt_state_specs(opt_state, self.zero and optimizer is not None,
                                         self.stage_spec)
@@ -361,16 +371,19 @@ class Pipeline(PipelineVariables):
     def value_and_grad(self, loss_fn: Callable, *, train: bool = True) -> Callable:
         """Returns f(variables, inputs, targets, rng=None) -> (loss, grads, new_variables).
 
-        loss is the mean of `loss_fn(outputs, targets)` over all microbatches of the
-        global batch; grads (same structure as variables["params"]) its gradient;
+        loss is the mean of `loss_fn(outputs, targets)` over the data x M microbatches
+        of the global batch (a per-token or summed loss then depends on data x M:
+        docs/pipeline.md, "What the loss means"); each call traces `loss_fn` anew; grads (same structure as variables["params"]) its gradient;
         new_variables carry the updated mutable collections (e.g. batch_stats, updated
         per microbatch in order, then averaged over data replicas)."""
         self._require_vars()
         check_loss_fn(loss_fn, "Pipeline.value_and_grad")
 
+        traced: dict = {}
+
         def _step(variables, inputs, targets, rng=None):
-            loss, grads, new_state, _, _ = self._run_step(loss_fn, train, None, variables, None,
-                                                          inputs, targets, rng)
+            loss, grads, new_state, _, _ = self._run_step(loss_fn, train, None, traced,
+                                                          variables, None, inputs, targets, rng)
             return loss, grads, new_state
 
         jitted = jax.jit(_step)
@@ -415,10 +428,12 @@ class Pipeline(PipelineVariables):
                 optimizer, self.schedule, self.num_microbatches).init),
             self.abstract_variables()["params"])
 
+        traced: dict = {}
+
         def _step(variables, opt_state, inputs, targets, rng=None):
             # Every pipeline depth (one stage too) runs the optimizer as U tasks.
             loss, grads, new_state, params, opt_state = self._run_step(
-                loss_fn, train, optimizer, variables, opt_state, inputs, targets, rng)
+                loss_fn, train, optimizer, traced, variables, opt_state, inputs, targets, rng)
             return loss, grads, {**variables, **new_state, "params": params}, opt_state
 
         jitted = jax.jit(_step)

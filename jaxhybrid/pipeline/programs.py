@@ -73,8 +73,9 @@ def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bo
         c = dict(act_in=packing.zeros(lay.act_len, (ctl.sizes["act"] + 1,)),
                  out=packing.zeros(out_len, (M + 1,)))
         c, _ = lax.scan(tick, c, jnp.arange(table.shape[0]))
-        # Only the last stage's device holds outputs; the others hold zeros.
-        out = {k: lax.psum(v[:M], PIPE) for k, v in c["out"].items()}
+        # Only the last stage's device holds outputs; the others hold zeros. (psum makes
+        # bool buffers int32: a mask came back as 0/1 ints, and `x[mask]` gathered rows.)
+        out = {k: lax.psum(v[:M], PIPE).astype(v.dtype) for k, v in c["out"].items()}
         mb = jax.tree.leaves(inputs)[0].shape[1]
         return jax.tree.map(functools.partial(_merge_microbatches, mb),
                             packing.unpack(lay.act[K], out))
