@@ -50,6 +50,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid.checkpoint_meta import (difference, layout_of, leaf_shapes, schedule_note,
+                                       shapes, updates_difference)
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import model_shards, packing
 from jaxhybrid.splitter.pipeline_hooks import (from_model_entries, holds_model_tree,
@@ -320,21 +322,6 @@ def from_portable(pipe, portable: dict, template: dict) -> dict:
                    out_shardings=shardings)(portable)
 
 
-def _shapes(tree: PyTree) -> list:
-    return [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]
-
-
-def _path(keys) -> str:
-    """A leaf's key path as "layers/0/variables/params/wte/embedding"."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-
-
-def _leaf_shapes(tree: PyTree) -> dict:
-    """{leaf path: shape} of a portable tree (arrays, shape structs or orbax metadata)."""
-    return {_path(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(
-        tree, is_leaf=lambda x: hasattr(x, "shape"))}
-
-
 def _short(error, limit: int = 160) -> str:
     """An orbax / tensorstore error in a few words: its first line, without the
     tensorstore spec (a page of JSON) that follows."""
@@ -342,35 +329,6 @@ def _short(error, limit: int = 160) -> str:
     for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
         text = text.split(cut)[0]
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _counts(paths, part: str) -> dict:
-    """{layer index: number of distinct `part` entries} ("opt": optimizer slots)."""
-    out: dict = {}
-    for p in paths:
-        keys = p.split("/")
-        if keys[0] == "layers" and len(keys) > 3 and keys[2] == part:
-            out.setdefault(keys[1], set()).add(keys[3])
-    return {k: len(v) for k, v in out.items()}
-
-
-def _difference(saved: dict, wanted: dict) -> str | None:
-    """What differs between two {leaf path: shape} of the portable format (None: they fit)."""
-    layers = lambda d: len({p.split("/")[1] for p in d if p.startswith("layers/")})
-    if layers(saved) != layers(wanted):
-        return f"the checkpoint has {layers(saved)} layers, this model {layers(wanted)}"
-    slots = lambda d: max(_counts(d, "opt").values(), default=0)
-    if slots(saved) != slots(wanted):
-        return (f"the checkpoint has {slots(saved)} optimizer slots per parameter, this "
-                f"optimizer {slots(wanted)}: another train.optimizer or train.momentum")
-    for p in sorted(set(saved) | set(wanted)):
-        if p not in wanted:
-            return f"{p} is saved but not in this model"
-        if p not in saved:
-            return f"{p} is in this model but not saved"
-        if saved[p] != wanted[p]:
-            return f"{p} was saved with shape {saved[p]}, this model has {wanted[p]}"
-    return None
 
 
 class Checkpointer:
@@ -398,10 +356,8 @@ class Checkpointer:
         write finishes in the background (see `wait`)."""
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
-                "shapes": {p: list(shape) for p, shape in _leaf_shapes(portable).items()},
-                "layout": {"data": pipe.data, "pipe": pipe.pipe_size,
-                           "model": pipe.model,
-                           "boundaries": [int(b) for b in pipe.boundaries]}}
+                "shapes": {p: list(shape) for p, shape in leaf_shapes(portable).items()},
+                "layout": layout_of(pipe)}
         with self._writing():     # also reports a failure of the previous (async) save
             self._manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))
@@ -415,25 +371,28 @@ class Checkpointer:
         if step is None:
             return
         try:
-            saved = self._saved_shapes(step)
+            saved, layout = self._saved_shapes(step)
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise plain Exceptions)
             raise CheckpointMismatch(self._damaged(step, e)) from None
         if not saved:
             raise CheckpointMismatch(self._damaged(step, "no arrays in its state"))
-        why = _difference(saved, _leaf_shapes(jax.eval_shape(
-            functools.partial(_portable, pipe), template)))
+        why = difference(saved, leaf_shapes(jax.eval_shape(
+            functools.partial(_portable, pipe), template)), schedule_note(layout, pipe))
+        if not why and jax.tree.leaves(template.get("opt_state")):
+            why = updates_difference(layout, pipe)
         if why:
             raise CheckpointMismatch(self._mismatch(step, why))
 
-    def _saved_shapes(self, step: int) -> dict:
-        """{leaf path: shape} of a step's portable tree: from its meta JSON (one small
-        file), or from orbax's array metadata for checkpoints written before it was kept
-        there."""
+    def _saved_shapes(self, step: int) -> tuple[dict, dict | None]:
+        """({leaf path: shape} of a step's portable tree, its saved layout): from its
+        meta JSON (one small file), or from orbax's array metadata for checkpoints
+        written before it was kept there."""
         meta = self._manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
         if isinstance(meta, dict) and isinstance(meta.get("shapes"), dict):
-            return {p: tuple(shape) for p, shape in meta["shapes"].items()}
-        return _leaf_shapes(self._manager.item_metadata(step)["state"])
+            return ({p: tuple(shape) for p, shape in meta["shapes"].items()},
+                    meta.get("layout"))
+        return leaf_shapes(self._manager.item_metadata(step)["state"]), None
 
     def restore(self, pipe, template: dict, step: int | None = None) -> tuple[dict, dict]:
         """(train state packed for `pipe`, meta) of `step` (default: the latest).
@@ -454,7 +413,7 @@ class Checkpointer:
             # A truncated or missing data file raised a plain Exception (a traceback with
             # pages of tensorstore spec), or "does not fit this model" for a damaged file.
             raise CheckpointMismatch(self._damaged(step, e)) from None
-        if _shapes(restored["state"]) != _shapes(target):
+        if shapes(restored["state"]) != shapes(target):
             raise CheckpointMismatch(self._mismatch(step, "parameter shapes differ"))
         return from_portable(pipe, restored["state"], template), dict(meta)
 

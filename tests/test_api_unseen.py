@@ -307,6 +307,19 @@ def test_train_step_refuses_optimizers_that_are_not_per_element():
                optax.contrib.dadapt_adamw(1.0, estim_lr0=0.05)]:
         with pytest.raises(ValueError, match="per element.*value_and_grad"):
             pipe.train_step(mse, tx)
+    # Accumulating 8 steps emitted zeros in all the probe's 5, so lamb and a global clip
+    # inside passed (with a skip of non-finite steps, which hid the non-finite probe).
+    for inner in [optax.lamb(1e-2), optax.chain(optax.clip_by_global_norm(0.05),
+                                                optax.adam(0.1))]:
+        tx = optax.MultiSteps(inner, 8, should_skip_update_fn=optax.skip_not_finite)
+        with pytest.raises(ValueError, match="per element"):
+            pipe.train_step(mse, tx)
+    # Optimizers that do not run on packed buffers at all: a one-line refusal, not
+    # optax's AttributeError ("'dict' object has no attribute 'fast'").
+    with pytest.raises(ValueError, match="packed buffers.*value_and_grad"):
+        pipe.train_step(mse, optax.lookahead(optax.adam(0.1), 3, 0.5))
+    with pytest.raises(ValueError, match="factored or matrix-shaped.*value_and_grad"):
+        pipe.train_step(mse, optax.adafactor(0.1))
     # By name or size (the usual "no decay on biases and scales"): the mask saw the packed
     # keys and sizes, and decayed or froze other parameters than on the unsplit model.
     by_path = lambda p: jax.tree_util.tree_map_with_path(

@@ -55,6 +55,17 @@ def copy_checkpoints(saved, workdir):
     ({"num_layers": 3}, {}, r"\(the checkpoint has 4 layers, this model 5\)"),
     ({}, {"train.optimizer": "sgd"}, r"\(the checkpoint has 2 optimizer slots per parameter, "
                                      r"this optimizer 1: another train.optimizer"),
+    # An asynchronous schedule makes several optimizer updates per step: Adam's counts
+    # and the learning-rate schedule were silently misread (rate 0 after pipedream ->
+    # 1f1b: the weights froze; the warm-up again after M=2 -> 4).
+    ({}, {"pipeline.schedule": "pipedream", "train.grad_clip_norm": 0.0,
+          "train.weight_decay": 0.0},
+     r"saved by schedule 1f1b with 4 microbatches, 1 optimizer updates per step; this run, "
+     r"schedule pipedream with 4 microbatches, makes 4.*keep pipeline.schedule"),
+    # spectrain keeps one more slot: the message named the optimizer, not the schedule.
+    ({}, {"pipeline.schedule": "spectrain", "train.grad_clip_norm": 0.0,
+          "train.weight_decay": 0.0},
+     r"3 \(saved with schedule 1f1b, this run uses spectrain\): another pipeline.schedule"),
 ])
 def test_another_models_checkpoint_is_refused_before_compiling(saved, tmp_path, monkeypatch,
                                                                 model, overrides, message):

@@ -1,0 +1,98 @@
+"""What a checkpoint's meta JSON records beside the arrays, and the checks a restore
+makes from it before anything is compiled or read: the leaves' shapes (another model or
+optimizer), the layout it was saved on, and how many optimizer updates made one step.
+
+The optimizer's step counts (Adam's bias correction, a learning-rate schedule's position)
+count updates, and an asynchronous schedule applies several per training step (its U
+tasks, `asynchronous.updates_per_call`, which grows with the number of microbatches). A
+run restored with another count per step silently took its learning rates from another
+point of the schedule (a PipeDream run resumed as 1F1B applied rate 0: the weights froze),
+so such a restore is refused, naming the fields to keep.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxhybrid.schedules.asynchronous import updates_per_call
+
+PyTree = Any
+
+
+def layout_of(pipe) -> dict:
+    """The meta's "layout": where and how the run was laid out (JSON)."""
+    return {"data": pipe.data, "pipe": pipe.pipe_size, "model": pipe.model,
+            "boundaries": [int(b) for b in pipe.boundaries],
+            "schedule": pipe.schedule.name, "num_microbatches": pipe.num_microbatches,
+            "updates_per_step": updates_per_call(pipe.schedule)}
+
+
+def updates_difference(saved_layout, pipe) -> str | None:
+    """Why the saved optimizer counts would be misread by `pipe` (None: they fit, or the
+    checkpoint predates the record)."""
+    saved = (saved_layout or {}).get("updates_per_step")
+    now = updates_per_call(pipe.schedule)
+    if saved is None or int(saved) == now:
+        return None
+    return (f"it was saved by schedule {saved_layout.get('schedule')} with "
+            f"{saved_layout.get('num_microbatches')} microbatches, {saved} optimizer "
+            f"updates per step; this run, schedule {pipe.schedule.name} with "
+            f"{pipe.num_microbatches} microbatches, makes {now}, so the optimizer's step "
+            f"counts (its learning-rate schedule, Adam's bias correction) would be misread: "
+            f"keep pipeline.schedule and pipeline.num_microbatches")
+
+
+def schedule_note(saved_layout, pipe) -> str:
+    """' (saved with schedule X, this run uses Y)' where they differ: asynchronous
+    schedules keep other optimizer slots (spectrain's last update)."""
+    saved = (saved_layout or {}).get("schedule")
+    return ("" if saved in (None, pipe.schedule.name) else
+            f" (saved with schedule {saved}, this run uses {pipe.schedule.name})")
+
+
+def shapes(tree: PyTree) -> list:
+    return [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]
+
+
+def _path(keys) -> str:
+    """A leaf's key path as "layers/0/variables/params/wte/embedding"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def leaf_shapes(tree: PyTree) -> dict:
+    """{leaf path: shape} of a portable tree (arrays, shape structs or orbax metadata)."""
+    return {_path(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))}
+
+
+def _counts(paths, part: str) -> dict:
+    """{layer index: number of distinct `part` entries} ("opt": optimizer slots)."""
+    out: dict = {}
+    for p in paths:
+        keys = p.split("/")
+        if keys[0] == "layers" and len(keys) > 3 and keys[2] == part:
+            out.setdefault(keys[1], set()).add(keys[3])
+    return {k: len(v) for k, v in out.items()}
+
+
+def difference(saved: dict, wanted: dict, note: str = "") -> str | None:
+    """What differs between two {leaf path: shape} of the portable format (None: they
+    fit); `note` follows a difference in optimizer slots (`schedule_note`)."""
+    layers = lambda d: len({p.split("/")[1] for p in d if p.startswith("layers/")})
+    if layers(saved) != layers(wanted):
+        return f"the checkpoint has {layers(saved)} layers, this model {layers(wanted)}"
+    slots = lambda d: max(_counts(d, "opt").values(), default=0)
+    if slots(saved) != slots(wanted):
+        return (f"the checkpoint has {slots(saved)} optimizer slots per parameter, this "
+                f"optimizer {slots(wanted)}{note}: another "
+                + ("pipeline.schedule" if note else "train.optimizer or train.momentum"))
+    for p in sorted(set(saved) | set(wanted)):
+        if p not in wanted:
+            return f"{p} is saved but not in this model"
+        if p not in saved:
+            return f"{p} is in this model but not saved"
+        if saved[p] != wanted[p]:
+            return f"{p} was saved with shape {saved[p]}, this model has {wanted[p]}"
+    return None
