@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import pathlib
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,24 @@ def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
 
 
 # --- metrics output -----------------------------------------------------------------
+def _records_until(path: pathlib.Path, step: int) -> list[str]:
+    """The lines of `path` for steps <= `step`. A line cut off (a kill or a full disk in
+    the middle of a write) failed every later resume with a JSONDecodeError, after the
+    planning, compiling and restoring; it is dropped with a warning."""
+    kept, cut = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            cut += 1
+            continue
+        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+            kept.append(line)
+    if cut:
+        logging.warning("%s: dropped %d line(s) that were cut off", path, cut)
+    return kept
+
+
 class MetricWriter:
     """One JSON object per logged step in workdir/metrics.jsonl, the same scalars as
     TensorBoard events in workdir, and a line in the log. On resume, records after the
@@ -61,11 +80,12 @@ class MetricWriter:
     def __init__(self, workdir: pathlib.Path, start_step: int):
         from tensorboardX import SummaryWriter   # imported here: only training needs it
         self.path = workdir / "metrics.jsonl"
-        kept = []
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = _records_until(self.path, start_step) if self.path.exists() else []
+        # Written aside, then renamed: a crash or a full disk while rewriting it in place
+        # would lose the whole history.
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text("".join(line + "\n" for line in kept))
+        os.replace(partial, self.path)
         # Purged from step 1 too: a fresh start in a workdir whose run crashed before its
         # first checkpoint would else show that run's steps beside the new ones.
         self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1)

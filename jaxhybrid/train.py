@@ -203,6 +203,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     lock = distributed.fail_together(lambda: workdir_.Lock(workdir) if main else None,
                                      ConfigError)
     writer = begun = ckpt = None
+    failed = True
     try:
         try:
             ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
@@ -216,15 +217,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
             writer = MetricWriter(workdir, begun.start)
         final = _train_steps(begun, config, workdir, phases, writer)
+        failed = False
     finally:
-        if ckpt is not None:
-            ckpt.close()
-        if writer is not None:
-            writer.close()
-        if begun is None and fresh and main:   # refused at start-up (a plan over budget, ...)
-            workdir_.remove_if_empty(workdir)
-        if lock is not None:
-            lock.release()
+        # Each in turn, and while an error is on its way out none replaces it (on a full
+        # disk TensorBoard's OSError at close hid the one-line CheckpointWriteError).
+        workdir_.close_in_turn([
+            ckpt and ckpt.close, writer and writer.close,
+            # Refused at start-up (a plan over budget, ...): no empty workdir left behind.
+            begun is None and fresh and main and (lambda: workdir_.remove_if_empty(workdir)),
+            lock and lock.release], failed)
     final["wall_time_s"] = time.time() - started
     if main:
         logging.info("done: %s", final)

@@ -17,6 +17,8 @@ import shutil
 import socket
 import time
 
+from absl import logging
+
 from jaxhybrid.run_setup import ConfigError, require
 
 LOCK_NAME = ".lock"
@@ -69,3 +71,22 @@ def remove_if_empty(workdir: pathlib.Path) -> None:
     if all((p.is_dir() and not any(p.iterdir())) or p.name == LOCK_NAME
            for p in workdir.iterdir()):
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def close_in_turn(closers, failing: bool) -> None:
+    """Calls each of `closers` (falsy ones skipped), all of them even when one raises.
+    `failing` (an error is on its way out): their errors are logged, so none replaces it;
+    else the first is raised once all have run."""
+    first = None
+    for close in closers:
+        if not close:
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            if failing:
+                logging.warning("while stopping: %s: %s", type(e).__name__, e)
+            elif first is None:
+                first = e
+    if first is not None:
+        raise first

@@ -8,6 +8,7 @@ as a new user would").
 GPT "tiny" with explicit boundaries (no profiling); one saved run of two steps.
 """
 import errno
+import json
 import os
 import pathlib
 import re
@@ -137,6 +138,10 @@ def test_a_full_disk_ends_the_run_in_one_line_naming_the_last_checkpoint(tmp_pat
             raise OSError(errno.ENOSPC, "No space left on device")
         return save(self, step, *args, **kwargs)
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_the_first)
+    # On a real full disk TensorBoard's writer fails to close too; its OSError replaced
+    # the one-line error on its way out.
+    monkeypatch.setattr(train.MetricWriter, "close", lambda self: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(checkpoint.CheckpointWriteError,
                        match=r"^checkpoint: writing to .*checkpoints failed \(.*No space left "
                              r"on device\); free space there .*last complete checkpoint: "
@@ -295,3 +300,15 @@ def test_a_process_holding_parts_of_two_data_replicas_places_its_rows(tmp_path):
     for i, rows in ((0, "slice(0, 6, None)"), (1, "slice(0, 12, None)"),
                     (2, "slice(6, 12, None)")):
         assert f"[{i}] placed {i} {rows}" in out.stdout, out.stdout[-3000:]
+
+
+def test_a_metrics_file_cut_off_mid_line_does_not_block_the_resume(tmp_path):
+    """A kill or a full disk in the middle of a record's write left a cut-off last line,
+    and every later resume failed with a JSONDecodeError after compiling and restoring."""
+    lines = [json.dumps({"step": s, "train_loss": 1.0 / s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "train_lo')
+    writer = train.MetricWriter(tmp_path, 2)
+    writer.write({"step": 3, "train_loss": 0.5})
+    writer.close()
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert got == [json.loads(lines[0]), json.loads(lines[1]), {"step": 3, "train_loss": 0.5}]

@@ -88,8 +88,9 @@ def _token_terms(outputs, targets, pad_id):
 
 @dataclasses.dataclass(frozen=True)
 class TokenLoss:
-    """Mean cross-entropy per (non-padding) token. A frozen dataclass so that equal
-    losses hash equal (the pipeline caches compiled programs by loss function)."""
+    """Mean cross-entropy per (non-padding) token of one microbatch; the pipeline
+    averages it over microbatches, so with padding the step's loss is a mean of
+    per-microbatch token means (docs/pipeline.md, "What the loss means")."""
     pad_id: int | None
 
     def __call__(self, outputs, targets):
