@@ -62,6 +62,13 @@ def raw_key(key: jax.Array) -> jax.Array:
     stashed between pipeline ticks; typed keys cannot)."""
     dtype, shape = getattr(key, "dtype", None), np.shape(key)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        impl, default = str(jax.random.key_impl(key)), jax.config.jax_default_prng_impl
+        if impl != default:
+            # Its data were folded as a default key: JAX's "invalid PRNG key data".
+            raise ValueError(f"rng is a {impl!r} key, but the pipeline derives its layers' "
+                             f"keys with the default implementation {default!r}: pass "
+                             f"jax.random.key(seed), or set jax.config.update("
+                             f"'jax_default_prng_impl', {impl!r}) first.")
         return jax.random.key_data(key)
     if dtype == np.uint32 and len(shape) == 1:
         return key

@@ -427,11 +427,13 @@ def test_bad_step_inputs_are_named():
         with pytest.raises(ValueError, match="one PRNG key"):  # was "Cannot lower jaxpr"
             grad_fn(variables, X, Y, rng)
     # Inputs committed to a device outside the mesh: jax's error named no fix.
-    elsewhere = jax.device_put(X, jax.devices()[5])
-    with pytest.raises(ValueError, match=r"outside the pipeline's mesh .*NamedSharding\(pipe.mesh"):
-        grad_fn(variables, elsewhere, Y)
-    with pytest.raises(ValueError, match=r"outside the pipeline's mesh"):
-        pipe.apply(variables, elsewhere)
+    # One of its devices alone: the message said "outside the mesh" there too.
+    for elsewhere in [jax.device_put(X, jax.devices()[5]), jax.device_put(X, jax.devices()[0])]:
+        with pytest.raises(ValueError, match=r"committed to other devices than the pipeline's "
+                                             r"mesh .*NamedSharding\(pipe.mesh"):
+            grad_fn(variables, elsewhere, Y)
+        with pytest.raises(ValueError, match=r"committed to other devices"):
+            pipe.apply(variables, elsewhere)
 
 
 def test_bad_constructor_arguments_are_named():
@@ -568,3 +570,32 @@ def test_the_documented_whole_batch_token_mean_recipe():
     want, g_ref = jax.value_and_grad(whole)([v["params"] for v in per_layer])
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     _close([v.get("params", {}) for v in pipe.unpack(g)], g_ref)
+
+
+def test_an_optimizer_built_from_a_traced_learning_rate_gives_the_hypergradient():
+    # optax.sgd(lr) with lr traced by jax.grad failed in the optimizer's probe
+    # (TracerArrayConversionError from its numpy comparison).
+    pipe, variables = _dense_pipe()
+    params = [v["params"] for v in pipe.unpack(variables)]
+    ref = lambda ps: jp.reference_value_and_grad(DENSE, [{"params": p} for p in ps], mse, X, Y,
+                                                 data=2, num_microbatches=2)
+
+    def reference_after(lr):
+        _, g, _ = ref(params)
+        return ref(jax.tree.map(lambda a, b: a - lr * b, params, g))[0]
+
+    def after(lr):
+        tx = optax.sgd(lr)
+        _, _, v, _ = pipe.train_step(mse, tx)(variables, pipe.init_optimizer(tx, variables),
+                                              X, Y)
+        return pipe.value_and_grad(mse)(v, X, Y)[0]
+
+    np.testing.assert_allclose(float(jax.grad(after)(0.3)), float(jax.grad(reference_after)(0.3)),
+                               rtol=1e-4)
+
+
+def test_a_key_of_another_prng_implementation_is_refused_by_name():
+    # Its four data words were folded as a threefry key: JAX's "invalid PRNG key data".
+    pipe, variables = _dense_pipe()
+    with pytest.raises(ValueError, match="'rbg' key.*jax_default_prng_impl"):
+        pipe.value_and_grad(mse)(variables, X, Y, jax.random.key(3, impl="rbg"))

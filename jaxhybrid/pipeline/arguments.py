@@ -195,8 +195,9 @@ def call_hint(sample):
                              "splitter drops itself).") from e
         if "incompatible devices" not in str(e):
             raise
-        raise ValueError(f"Pipeline: an argument is on devices outside the pipeline's "
-                         f"mesh ({str(e).splitlines()[0]}); pass numpy arrays, or place "
+        raise ValueError(f"Pipeline: an argument is committed to other devices than the "
+                         f"pipeline's mesh (a device of it alone, another mesh or device "
+                         f"order: {str(e).splitlines()[0]}); pass numpy arrays, or place "
                          f"them with jax.device_put(x, NamedSharding(pipe.mesh, "
                          f"P('data'))).") from e
 

@@ -58,6 +58,8 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return
     except Exception:   # noqa: BLE001 - see the docstring
         return
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(runs)):
+        return   # built from traced values (a hypergradient's learning rate): no numbers
     _check_elementwise(runs, keys)
     _check_names_and_sizes(runs, keys)
 
