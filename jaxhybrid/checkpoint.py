@@ -50,8 +50,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.checkpoint_meta import (difference, layout_of, leaf_shapes, schedule_note,
-                                       shapes, updates_difference)
+from jaxhybrid.checkpoint_meta import (checksum_difference, checksums, difference, layout_of,
+                                       leaf_shapes, schedule_note, shapes, updates_difference)
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import model_shards, packing
 from jaxhybrid.splitter.pipeline_hooks import (from_model_entries, holds_model_tree,
@@ -357,7 +357,7 @@ class Checkpointer:
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
                 "shapes": {p: list(shape) for p, shape in leaf_shapes(portable).items()},
-                "layout": layout_of(pipe)}
+                "checksums": checksums(portable), "layout": layout_of(pipe)}
         with self._writing():     # also reports a failure of the previous (async) save
             self._manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(portable), meta=ocp.args.JsonSave(meta)))
@@ -415,6 +415,9 @@ class Checkpointer:
             raise CheckpointMismatch(self._damaged(step, e)) from None
         if shapes(restored["state"]) != shapes(target):
             raise CheckpointMismatch(self._mismatch(step, "parameter shapes differ"))
+        bad = checksum_difference(meta.get("checksums"), restored["state"])
+        if bad:
+            raise CheckpointMismatch(self._damaged(step, bad))
         return from_portable(pipe, restored["state"], template), dict(meta)
 
     def _older(self, step) -> str:

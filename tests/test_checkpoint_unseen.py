@@ -124,6 +124,29 @@ def test_a_damaged_checkpoint_is_named_in_one_line(saved, tmp_path):
     assert meta["step"] == 1
 
 
+def test_a_flipped_byte_in_a_data_file_is_found(saved, tmp_path):
+    """One byte changed in place (bit rot, a bad copy) restored silently: orbax's chunks
+    carry no checksum (a kernel 0.019 off). Each leaf's checksum in the meta finds it,
+    or the file no longer decodes; either way the step is named damaged."""
+    restore = restorer(gpt_config())
+    data = max((f for f in (saved / "checkpoints" / "2" / "state").rglob("*")
+                if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size)
+    size, found = data.stat().st_size, []
+    for at in (size // 3, size // 2, 2 * size // 3):
+        directory = copy_checkpoints(saved, tmp_path / str(at))
+        flipped = directory / data.relative_to(saved / "checkpoints")
+        raw = bytearray(flipped.read_bytes())
+        raw[at] ^= 0x10
+        flipped.write_bytes(bytes(raw))
+        with pytest.raises(checkpoint.CheckpointMismatch, match=r"step 2 .* cannot be read "
+                                                                 r".* damaged") as e:
+            restore(directory)
+        found.append("differs from what was saved" in str(e.value))
+    assert any(found)      # not every flip breaks the file's encoding
+    _, meta = restore(saved / "checkpoints")
+    assert meta["step"] == 2      # the intact checkpoint agrees with its checksums
+
+
 def test_a_full_disk_ends_the_run_in_one_line_naming_the_last_checkpoint(tmp_path,
                                                                          monkeypatch):
     """Orbax reports a failed asynchronous write (no space left) at the next save, as
