@@ -18,8 +18,10 @@ finished writing it):
     <directory>/<step>/state   {"layers": [{"variables": {...}, "opt": [slot, ...]}, ...],
                                 "opt_rest": [non-parameter optimizer leaves]}
     <directory>/<step>/meta    JSON: step, rng (key data), data_position, loss_window (the
-                               losses since the last record), layout, shapes
-                               ({leaf path: shape} of "state", checked before a restore)
+                               losses since the last record), layout (with the schedule
+                               and optimizer updates per step), shapes ({leaf path: shape}
+                               of "state", checked before a restore), checksums (per
+                               leaf, checked after: `checkpoint_meta`)
 
 A model given to the pipeline as one linen module (split by `jaxhybrid.splitter`) is
 saved as one "layer" holding the model's own variable tree (as `model.init` returns it)
