@@ -52,9 +52,13 @@ def mode_flag(model) -> str | None:
 
 def mode_kwargs(model, train: bool) -> dict:
     """The keyword that puts `model` (a layer, or a whole linen / NNX model) in training
-    (`train`) or evaluation mode; {} when its `__call__` takes no mode flag."""
+    (`train`) or evaluation mode; {} when its `__call__` takes no mode flag, or when the
+    model fixed it as an attribute (flax's `nn.BatchNorm(use_running_average=False)`
+    refuses it "passed to the constructor and at call time")."""
     flag = mode_flag(model)
-    return {} if flag is None else {flag: train if MODE_FLAGS[flag] else not train}
+    if flag is None or getattr(model, flag, None) is not None:
+        return {}
+    return {flag: train if MODE_FLAGS[flag] else not train}
 
 
 def raw_key(key: jax.Array) -> jax.Array:

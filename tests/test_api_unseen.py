@@ -599,3 +599,15 @@ def test_a_key_of_another_prng_implementation_is_refused_by_name():
     pipe, variables = _dense_pipe()
     with pytest.raises(ValueError, match="'rbg' key.*jax_default_prng_impl"):
         pipe.value_and_grad(mse)(variables, X, Y, jax.random.key(3, impl="rbg"))
+
+
+def test_a_layer_fixed_in_training_mode_fails_apply_naming_the_fix():
+    # nn.BatchNorm(use_running_average=False) updates batch_stats in apply too: flax's
+    # ModifyScopeVariableError named a variable "mean" in "/".
+    layers = [Dense(), nn.BatchNorm(use_running_average=False), Dense()]
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="none")
+    variables = pipe.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="updates its 'batch_stats' collection in evaluation"
+                                         ".*leave the mode unset"):
+        pipe.apply(variables, X)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from typing import Any
 
 import flax
@@ -186,6 +187,13 @@ def call_hint(sample):
                          f"({str(e).splitlines()[0].split(' (https')[0]}); pass inputs "
                          f"shaped like pipe.init's sample_inputs{shapes}, or pack "
                          f"variables made for these inputs.") from e
+    except flax.errors.ModifyScopeVariableError as e:
+        found = re.search(r'collection "([^"]+)"', str(e))
+        raise ValueError(f"Pipeline: a layer updates its {found[1] if found else 'state'!r} "
+                         f"collection in evaluation, where state is frozen (e.g. nn.BatchNorm("
+                         f"use_running_average=False) fixed in its constructor); leave the "
+                         f"mode unset so the pipeline passes it (layers.MODE_FLAGS), or "
+                         f"call apply(..., train=True).") from e
     except ValueError as e:
         if "Mesh for all inputs should be equal" in str(e):
             raise ValueError("Pipeline: a layer constrains a value to the mesh (jax.lax."
