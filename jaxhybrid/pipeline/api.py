@@ -373,7 +373,8 @@ class Pipeline(PipelineVariables):
 
         loss is the mean of `loss_fn(outputs, targets)` over the data x M microbatches
         of the global batch (a per-token or summed loss then depends on data x M:
-        docs/pipeline.md, "What the loss means"); each call traces `loss_fn` anew; grads (same structure as variables["params"]) its gradient;
+        docs/pipeline.md, "What the loss means"); each call traces `loss_fn` anew;
+        grads (same structure as variables["params"]) its gradient;
         new_variables carry the updated mutable collections (e.g. batch_stats, updated
         per microbatch in order, then averaged over data replicas)."""
         self._require_vars()
@@ -470,7 +471,7 @@ class Pipeline(PipelineVariables):
                 tensor_parallel.degree(self.model):
             mb_in = self._microbatch(inputs, "inputs")
             rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
-            lay = self._forward_layouts(mb_in, train, jax.ShapeDtypeStruct(
+            lay = layouts.forward_layouts(self.engine(), mb_in, train, jax.ShapeDtypeStruct(
                 rng_arg.shape, rng_arg.dtype) if rng is not None else None)
             body = programs.forward_program(self.engine(), lay,
                                             self._control(forward_schedule(self.schedule)),
@@ -482,16 +483,6 @@ class Pipeline(PipelineVariables):
                                  in_specs=(self.stage_spec, self.stage_spec, P(DATA), P()),
                                  out_specs=P(DATA), check_vma=False)(
                 params, state, inputs, rng_arg)
-
-    def _forward_layouts(self, mb_in, train, rng):
-        """Boundary layouts for forward-only runs (no residuals needed)."""
-        with tensor_parallel.degree(self.model):   # local shapes, "model" bound
-            trees = layouts.boundary_trees(self.engine(), mb_in, train, rng)
-        internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
-        return layouts.StageLayouts(
-            act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
-            grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
-            cross_len={}, residuals=None, split=[])
 
     def _fit_hint(self):
         return call_hint(self._sample)

@@ -207,3 +207,14 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
         residuals=residuals, split=splits, in_row=in_row, overflow=overflow,
         res_used=[tuple(i for i, r in enumerate(sb.reads_residual) if r) for sb in splits],
         res_avals=all_kept, forwards=forwards)
+
+
+def forward_layouts(eng: Engine, mb_in: PyTree, train: bool, rng) -> StageLayouts:
+    """Boundary layouts for forward-only runs (no residuals needed); traced at the
+    layers' local shapes (the caller binds the "model" degree)."""
+    trees = boundary_trees(eng, mb_in, train, rng)
+    internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
+    return StageLayouts(
+        act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
+        grad=[], res=[], cross=[], act_len=act_len, grad_len={}, res_len={},
+        cross_len={}, residuals=None, split=[])
