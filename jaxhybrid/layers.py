@@ -56,7 +56,10 @@ def mode_kwargs(model, train: bool) -> dict:
     model fixed it as an attribute (flax's `nn.BatchNorm(use_running_average=False)`
     refuses it "passed to the constructor and at call time")."""
     flag = mode_flag(model)
-    if flag is None or getattr(model, flag, None) is not None:
+    # A linen field of that name set to a value (an NNX model's `train` is its method).
+    fixed = (isinstance(model, nn.Module) and flag in getattr(model, "__dataclass_fields__", {})
+             and getattr(model, flag) is not None)
+    if flag is None or fixed:
         return {}
     return {flag: train if MODE_FLAGS[flag] else not train}
 

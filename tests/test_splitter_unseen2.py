@@ -385,3 +385,31 @@ def test_a_model_sampling_in_evaluation_mode_is_told_to_pass_rng_to_apply():
             for g in range(M)]
     _close(got[0], jnp.concatenate([w[0] for w in want]), "sample")
     _close(got[1], jnp.concatenate([w[1] for w in want]), "kl")
+
+
+class TrainFlagNet(nnx.Module):
+    """An NNX model taking `train=` (default False), as NNX code often does."""
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x, train: bool = False):
+        return self.l2(jnp.tanh(self.bn(self.l1(x), use_running_average=not train)))
+
+
+def test_an_nnx_model_taking_train_is_passed_it():
+    # Its `train` attribute is nnx.Module.train, a method: taken for a mode fixed in the
+    # constructor, the model was never passed train=True and trained in evaluation mode.
+    model = TrainFlagNet(nnx.Rngs(0))
+    x = jnp.asarray(np.random.RandomState(0).randn(8, 4), jnp.float32)
+    y = jnp.asarray(np.random.RandomState(1).randn(8, 3), jnp.float32)
+    mse = lambda out, t: jnp.mean((out - t) ** 2)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=1,
+                       remat="none", sample_inputs=x)
+    v = pipe.init(jax.random.key(0), x)
+    loss, _, _ = pipe.value_and_grad(mse)(v, x, y)
+    np.testing.assert_allclose(np.asarray(pipe.apply(v, x)),
+                               np.asarray(nnx.clone(model)(x, train=False)), rtol=1e-5, atol=1e-6)
+    want = mse(nnx.clone(model)(x, train=True), y)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
