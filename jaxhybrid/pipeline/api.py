@@ -337,6 +337,8 @@ class Pipeline(PipelineVariables):
             return programs.single_stage_program(eng, loss_fn, train, rng is not None)
         rng_aval = jax.ShapeDtypeStruct(rng.shape, rng.dtype) if rng is not None else None
         lay = self._layouts(mb_in, mb_tg, loss_fn, train, rng_aval, traced)
+        if optimizer is not None:
+            async_weights.check_layer_remat(self.schedule, eng, mb_in, train, rng_aval)
         # Without an optimizer an asynchronous schedule computes the gradient of the
         # current weights (its table without U tasks).
         sched = (self.schedule.with_updates() if optimizer is not None

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jcore
 
 from jaxhybrid.pipeline.tables import COL
 from jaxhybrid.schedules.asynchronous import is_asynchronous, staleness, updates_per_call
@@ -124,6 +125,61 @@ def check_remat(sched, programs) -> None:
                          f"(not the activations the forward saw); use remat='none', or a "
                          f"schedule whose backward reuses its forward's weights (pipedream, "
                          f"2bw, spectrain).")
+
+
+_REMAT = ("checkpoint", "remat", "remat2")
+
+
+def _has_remat(jaxpr) -> bool:
+    return any(e.primitive.name in _REMAT or any(_has_remat(j) for j in jcore.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
+
+
+def _recomputes_from(jaxpr, params: set) -> bool:
+    """Whether a recompute (jax.checkpoint / nn.remat) in `jaxpr` takes the parameter
+    arrays themselves: the backward replaces those residuals by its own weights (a remat
+    of values computed from the parameters keeps the forward's values, which is right).
+    Through calls whose inputs map one to one; any other call that takes parameters and
+    recomputes inside counts (conservative)."""
+    for eqn in jaxpr.eqns:
+        takes = [not isinstance(v, jcore.Literal) and v in params for v in eqn.invars]
+        if not any(takes):
+            continue
+        if eqn.primitive.name in _REMAT:
+            return True
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            if len(sub.invars) == len(eqn.invars):
+                if _recomputes_from(sub, {v for v, t in zip(sub.invars, takes) if t}):
+                    return True
+            elif _has_remat(sub):
+                return True
+    return False
+
+
+def check_layer_remat(sched, eng, mb_inputs, train: bool, rng) -> None:
+    """`check_remat` for the remat a layer does itself (`nn.remat`, `jax.checkpoint` in
+    its __call__), found in each stale stage's traced forward: the backward recomputed
+    it with its own weights, silently (a probe: parameters 2.7e-2 off after 3 steps)."""
+    if sched.weights not in ("newest", "predict-v1"):
+        return
+    from jaxhybrid import tensor_parallel
+    from jaxhybrid.pipeline.layouts import boundary_trees
+    stale, trees = staleness(sched), boundary_trees(eng, mb_inputs, train, rng)
+    for k, stage in enumerate(eng.stages):
+        if stale[k] == 0:
+            continue
+        closed = tensor_parallel.make_jaxpr(lambda p, st, x, key, stage=stage: stage.apply(
+            p, st, x, train=train, rng=key, microbatch=0)[0])(
+            stage.abstract_params, stage.abstract_state, trees[k], rng)
+        params = closed.jaxpr.invars[:len(jax.tree.leaves(stage.abstract_params))]
+        if _recomputes_from(closed.jaxpr, set(params)):
+            raise ValueError(f"Pipeline: schedule {sched.name!r} runs a backward on other "
+                             f"weights than its forward, and a layer of stage {k} recomputes "
+                             f"its forward itself (nn.remat / jax.checkpoint reading its "
+                             f"parameters), which would then use the backward's weights; "
+                             f"drop that remat from the layer, or use a schedule whose "
+                             f"backward reuses its forward's weights (pipedream, 2bw, "
+                             f"spectrain).")
 
 
 def check_opt_state(opt_state, expected, shapes: bool = True) -> None:
