@@ -267,10 +267,11 @@ def test_an_optimizer_state_of_another_split_is_refused():
 class Tanh(nn.Module):
     """Dense + tanh; `recompute`: the tanh under jax.checkpoint (of values, not weights)."""
     recompute: bool = False
+    features: int = 4
 
     @nn.compact
     def __call__(self, x):
-        y = nn.Dense(4)(x)
+        y = nn.Dense(self.features)(x)
         return jax.checkpoint(jnp.tanh)(y) if self.recompute else jnp.tanh(y)
 
 
@@ -308,3 +309,15 @@ def test_a_layers_own_remat_of_its_weights_is_refused_where_the_backward_has_oth
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="stage 0 recomputes its forward itself.*pipedream"):
         run([nn.remat(Tanh)() for _ in range(4)])
+
+
+def test_a_budget_that_needs_recomputation_is_refused_at_planning_for_async():
+    # remat="auto" planned recomputation on stale stages, then train_step refused it
+    # ("use remat='none'"), though the user had not asked for remat.
+    layers = [Tanh(features=8) for _ in range(5)] + [nn.Dense(3)]
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=4,
+                       schedule="async", boundaries=[1, 3, 5], remat="auto",
+                       memory_budget="33KB")
+    with pytest.raises(ValueError, match=r"memory_budget='33KB' needs recomputation .* "
+                                         r"schedule 'async' cannot use"):
+        pipe.init(jax.random.key(0), np.ones((128, 8), np.float32))

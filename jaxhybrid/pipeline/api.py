@@ -291,6 +291,8 @@ class Pipeline(PipelineVariables):
             plan = self._make_plan(fixed=not self._planner_cuts,
                                    costs=distributed.process_0s(self._layer_costs()))
             self._plan, self._needs_plan = plan, False
+            if self.remat == "auto":
+                async_weights.check_planned_remat(self.schedule, plan, self.memory_budget)
             self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
 
     # --- execution ------------------------------------------------------------------

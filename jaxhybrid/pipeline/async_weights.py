@@ -135,6 +135,19 @@ def _has_remat(jaxpr) -> bool:
                for e in jaxpr.eqns)
 
 
+def check_planned_remat(sched, plan, budget) -> None:
+    """remat='auto' under a memory budget planned recomputation that `check_remat` then
+    refused in train_step ("use remat='none'", which the user had not asked for): the
+    budget is refused at planning instead, naming why."""
+    if sched.weights in ("newest", "predict-v1") and any(plan.remat):
+        raise ValueError(f"Pipeline: memory_budget={budget!r} needs recomputation (planned "
+                         f"for layers {[i for i, r in enumerate(plan.remat) if r]}), which "
+                         f"schedule {sched.name!r} cannot use (its backward runs on newer "
+                         f"weights than its forward); raise the budget, or use a schedule "
+                         f"whose backward reuses its forward's weights (pipedream, 2bw, "
+                         f"spectrain).")
+
+
 def _recomputes_from(jaxpr, params: set) -> bool:
     """Whether a recompute (jax.checkpoint / nn.remat) in `jaxpr` takes the parameter
     arrays themselves: the backward replaces those residuals by its own weights (a remat
