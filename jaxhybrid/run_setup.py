@@ -253,6 +253,12 @@ def _model_spec(config, train_data=None) -> models.ModelSpec:
     from jaxhybrid.models import from_module
     require(not m.name, f"model.name={m.name!r} and model.module={m.module!r} are both set; "
              f"set one of them.")
+    # They were ignored silently: a run asked for "tiny" trained the factory's "small".
+    from jaxhybrid.config_flags import base_config
+    require(m.size == base_config().model.size and not m.overrides.to_dict(),
+            f"model.size / model.overrides are for model.name; model.module={m.module!r} "
+            f"is built from model.kwargs: pass them there (e.g. --config.model.kwargs.size="
+            f"{m.size}).")
     if train_data is not None:      # the caller's stream; the loss decides the task
         example, info = tuple(next(iter(train_data())))[:2], {}
         task = "classification" if m.loss in (None, "classification") else "language_model"

@@ -146,6 +146,10 @@ def test_built_in_models_train_as_single_modules(tmp_path, monkeypatch, name):
      "model.loss / model.kwargs: Pipeline: loss_fn returned shape \\(2, 16\\)"),
     ({"model.kwargs": {"name": "gpt", "size": "tiny", "vocab_size": 100}},
      "the model scores 100 tokens but the dataset has 257"),
+    # Ignored silently: "tiny" asked for, the factory's "small" trained.
+    ({"model.size": "tiny"}, "model.size / model.overrides are for model.name.*"
+                             "--config.model.kwargs.size=tiny"),
+    ({"model.overrides": {"dropout_rate": 0.5}}, "model.size / model.overrides are for"),
 ])
 def test_module_config_mistakes_fail_in_one_line(tmp_path, overrides, message):
     config = module_config()
