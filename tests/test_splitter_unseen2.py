@@ -413,3 +413,17 @@ def test_an_nnx_model_taking_train_is_passed_it():
                                np.asarray(nnx.clone(model)(x, train=False)), rtol=1e-5, atol=1e-6)
     want = mse(nnx.clone(model)(x, train=True), y)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+
+
+def test_unpacked_variables_update_an_nnx_model_that_trains_on():
+    # pipe.unpack gave read-only views of the fetched buffers: after nnx.update, the
+    # model's next BatchNorm update failed ("assignment destination is read-only").
+    model = TrainFlagNet(nnx.Rngs(0))
+    x = jnp.asarray(np.random.RandomState(0).randn(8, 4), jnp.float32)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=1,
+                       remat="none", sample_inputs=x)
+    unpacked = pipe.unpack(pipe.init(jax.random.key(0), x))
+    assert all(a.flags.writeable for a in jax.tree.leaves(unpacked) if isinstance(a, np.ndarray))
+    nnx.update(model, unpacked)
+    model(x, train=True)
+    assert np.abs(np.asarray(model.bn.mean[...])).max() > 0

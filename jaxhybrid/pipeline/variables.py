@@ -206,6 +206,10 @@ class PipelineVariables:
                 for n, i in enumerate(layers):
                     if c in self._layer_vars[i]:
                         per_layer[i][c] = self._model_merge(i, c, [t[n] for t in shards])
+        # Writable: views of the fetched buffers are read-only, and an NNX model updated
+        # with them (nnx.update) failed its next BatchNorm or counter update in place.
+        per_layer = jax.tree.map(lambda a: a if not isinstance(a, np.ndarray) or
+                                 a.flags.writeable else a.copy(), per_layer)
         return per_layer if self.splitter is None else self.splitter.from_layer_vars(per_layer)
 
     def padding_stats(self) -> dict:
