@@ -427,3 +427,39 @@ def test_unpacked_variables_update_an_nnx_model_that_trains_on():
     nnx.update(model, unpacked)
     model(x, train=True)
     assert np.abs(np.asarray(model.bn.mean[...])).max() > 0
+
+
+class FrozenBackbone(nnx.Module):
+    """A backbone BatchNorm built frozen (fine-tuning) beside a head that trains."""
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(8, use_running_average=True, rngs=rngs)
+        self.l2 = nnx.Linear(8, 8, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.l3 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.bn1(self.l1(x)))
+        return self.l3(jnp.tanh(self.bn2(self.l2(h))))
+
+
+def test_nnx_modules_set_apart_in_evaluation_mode_stay_so_in_training():
+    # Every module was put in training mode: the frozen BatchNorm's statistics moved and
+    # every gradient was off.
+    model = FrozenBackbone(nnx.Rngs(0))
+    model.bn1.mean[...] = jnp.linspace(-1.0, 1.0, 8)
+    x = jnp.asarray(np.random.RandomState(0).randn(8, 4), jnp.float32)
+    y = jnp.asarray(np.random.RandomState(1).randn(8, 3), jnp.float32)
+    mse = lambda out, t: jnp.mean((out - t) ** 2)
+    ref = nnx.clone(model)
+    want, g_ref = nnx.value_and_grad(lambda m: mse(m(x), y))(ref)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=1,
+                       remat="none", sample_inputs=x)
+    v = pipe.init(jax.random.key(0), x)
+    loss, _, new = pipe.value_and_grad(mse)(v, x, y)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    state = pipe.unpack(new)           # the model's own nnx.State
+    np.testing.assert_allclose(np.asarray(state["bn1"]["mean"][...]), np.linspace(-1, 1, 8),
+                               rtol=1e-6)      # frozen: unchanged
+    np.testing.assert_allclose(np.asarray(state["bn2"]["mean"][...]),
+                               np.asarray(ref.bn2.mean[...]), rtol=1e-5, atol=1e-6)

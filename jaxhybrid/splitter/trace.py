@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxhybrid import layers
 
@@ -69,6 +70,7 @@ class Adapter:
     graphdef: Any = None
     paths: list = None        # tree path per leaf
     sown: set | None = None   # linen: the collections the model sows into (found once)
+    kept_modes: dict = dataclasses.field(default_factory=dict)   # NNX: `_modes_set_apart`
 
     # --- the variable tree ----------------------------------------------------------
     def leaves(self, tree, what: str = "variables") -> list:
@@ -192,6 +194,10 @@ class Adapter:
         m = nnx.merge(self.graphdef, state)
         m.set_attributes(deterministic=not train, use_running_average=not train,
                          raise_if_not_found=False)
+        if train and self.kept_modes:
+            for path, node in nnx.iter_graph(m):
+                for name, value in self.kept_modes.get(tuple(path), {}).items():
+                    setattr(node, name, value)
         y = m(x, **self.call_kwargs, **self.mode_kwargs(train))
         # By path, not by position: the call may add variables (`self.sow` makes
         # nnx.Intermediate ones), which shifts the positions of those after them.
@@ -280,9 +286,36 @@ def make_adapter(model, call_kwargs: dict | None, sample_x) -> Adapter:
         rng_idx = {i for i, _ in a.rng_leaves}
         a.program_vars = [i for i in range(len(flat)) if i not in rng_idx]
         a.paths = [tuple(p) for p, _ in flat]
+        a.kept_modes = _modes_set_apart(model)
         return a
     raise ValueError(f"Splitter: expected a flax.linen.Module or flax.nnx.Module, got "
                      f"{type(model).__name__}.")
+
+
+_NNX_MODES = ("deterministic", "use_running_average")
+
+
+def _modes_set_apart(model) -> dict:
+    """{module path: its mode attributes} of an NNX model's modules that were handed over
+    in evaluation mode beside others in training mode (a BatchNorm frozen at
+    construction, a backbone after `model.backbone.eval()`): training keeps them so, as
+    plain NNX would (they were switched to training, silently: the frozen statistics
+    moved, every gradient was off). A model all in one mode is put in the step's."""
+    from flax import nnx
+    modes = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            attrs = {a: getattr(node, a) for a in _NNX_MODES
+                     if isinstance(getattr(node, a, None), bool)}
+            if attrs:
+                modes[tuple(path)] = attrs
+    apart = {p: a for p, a in modes.items() if all(a.values())}
+    if apart and len(apart) < len(modes):
+        logging.info("splitter: keeping the evaluation mode of %s in training (set apart "
+                     "from the rest of the model)", ", ".join("/".join(map(str, p)) or "<model>"
+                                                               for p in apart))
+        return apart
+    return {}
 
 
 def _trace_errors(thunk):
