@@ -264,3 +264,13 @@ def test_docs_add_a_model_example_runs(monkeypatch):
     out, _ = spec.apply(spec.init(jax.random.key(0), x), x)
     assert out.shape == (4, 10) and np.isfinite(float(spec.loss_fn(out, y)))
     assert models.count_params(spec) == 32 * 8 + 8 + 8 * 10 + 10
+
+
+def test_gpt_refuses_sequences_longer_than_its_positions():
+    # A config's seq_len over the size's max_positions failed as "Incompatible shapes for
+    # broadcasting", naming neither.
+    spec = models.get_model("gpt", "tiny")
+    tokens = jnp.zeros((2, spec.config["max_positions"] + 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"sequences of 65 tokens, but the model has "
+                                         r"max_positions=64.*data.options.seq_len <= 64"):
+        spec.layers[0].init(jax.random.key(0), tokens)

@@ -66,6 +66,11 @@ class Embedding(nn.Module):
 
     def __call__(self, tokens, train: bool = False):
         T = tokens.shape[1]
+        if T > self.max_positions:   # else "Incompatible shapes for broadcasting"
+            raise ValueError(f"GPT: sequences of {T} tokens, but the model has "
+                             f"max_positions={self.max_positions}; use shorter sequences "
+                             f"(data.options.seq_len <= {self.max_positions}) or more "
+                             f"positions (the model's max_positions).")
         x = self.wte(tokens) + self.wpe[:T].astype(self.dtype)
         return self.dropout(x, deterministic=not train)
 
