@@ -141,6 +141,23 @@ def set_dotted(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
                          f"{str(e).splitlines()[0]}") from None
 
 
+def none_overrides(config: ml_collections.ConfigDict, args, name: str = "config"
+                   ) -> ml_collections.ConfigDict:
+    """Applies `--<name>.a.b=None` of the command line `args` as None: ml_collections
+    parses it by the field's type, as the string 'None' or the tuple (None,), so a config
+    file's budget, boundaries, dataset or loss could not be set back to "none given"."""
+    prefix, args = f"--{name}.", list(args)
+    for i, arg in enumerate(args):
+        if not arg.startswith(prefix):
+            continue
+        key, eq, value = arg[len(prefix):].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if value == "None":
+            set_dotted(config, key, None)
+    return config
+
+
 def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None
                 ) -> ml_collections.ConfigDict:
     """The locked ConfigDict of a config file, with dotted-key `overrides` applied, e.g.

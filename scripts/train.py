@@ -158,7 +158,8 @@ def main(argv):
     logging.info("config %s, workdir %s, process %d of %d", name, workdir,
                  jax.process_index(), jax.process_count())
     try:
-        result = train.train_and_evaluate(_CONFIG.value, workdir, launched=_LAUNCHED)
+        config = config_flags.none_overrides(_CONFIG.value, sys.argv[1:])
+        result = train.train_and_evaluate(config, workdir, launched=_LAUNCHED)
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch,
             checkpoint.CheckpointWriteError, MemoryBudgetError) as e:
         sys.exit(f"error: {e}")
