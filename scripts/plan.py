@@ -61,6 +61,11 @@ def build_config():
                                 ("train", "batch_size", FLAGS.batch_size)]:
         if value is not None:
             config[section][key] = value
+    if config.model.get("module"):   # it said "give --config=<name>", which was given
+        raise ValueError(f"the config names model.module={config.model.module!r}, one Flax "
+                         f"module split at start-up: plan.py plans the registered models "
+                         f"(--model=...); scripts/train.py prints that model's plan when it "
+                         f"starts (e.g. with --config.train.steps=1).")
     if not config.model.get("name"):
         raise ValueError("give --config=<name> or --model=<inception_v3|gnmt|biglstm|gpt>.")
     if FLAGS.virtual_stages is not None and config.pipeline.get("schedule") != "interleaved":

@@ -32,6 +32,9 @@ def test_plan_script_errors_are_one_line():
     assert "over the" in r.stderr and "memory budget" in r.stderr
     r = _run("--size=tiny", "--plot=")
     assert r.returncode != 0 and "--model" in r.stderr
+    # A model.module config said "give --config=<name>", which was given.
+    r = _run("--config=gpt_module.py", "--plot=")
+    assert r.returncode != 0 and "names model.module=" in r.stderr
     # Zero sizes are named (--stages=0 divided by zero; --microbatches=0 took a modulo by 0).
     r = _run("--model=gpt", "--size=tiny", "--stages=0", "--plot=")
     assert r.returncode != 0 and "mesh.pipe (--stages)=0 must be >= 1" in r.stderr
