@@ -23,6 +23,7 @@ from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classific
                                    classification_metrics)
 from jaxhybrid.layers import LossError, check_loss_fn
 from jaxhybrid.splitter.trace import is_flax_module
+from jaxhybrid.weighted_loss import WeightedMean
 
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
 LOSSES = {
@@ -30,7 +31,7 @@ LOSSES = {
         EnoughScores(classification_loss, info.get("num_classes"), "classes"),
         classification_metrics),
     "token": lambda info: (
-        EnoughScores(TokenLoss(info.get("pad_id")), info.get("vocab_size"), "tokens"),
+        WeightedEnoughScores(TokenLoss(info.get("pad_id")), info.get("vocab_size"), "tokens"),
         TokenMetrics(info.get("pad_id"))),
 }
 # The loss a dataset's task takes when model.loss is not set.
@@ -65,11 +66,26 @@ class EnoughScores:
     what: str
 
     def __call__(self, outputs, targets):
+        self._check(outputs)
+        return self.loss_fn(outputs, targets)
+
+    def _check(self, outputs):
         if self.count and outputs.shape[-1] < self.count:
             raise LossError(f"the model scores {outputs.shape[-1]} {self.what} but the "
                             f"dataset has {self.count}; set the model's output size (e.g. "
                             f"in model.kwargs) to {self.count}.")
-        return self.loss_fn(outputs, targets)
+
+
+class WeightedEnoughScores(EnoughScores, WeightedMean):
+    """EnoughScores of a WeightedMean (the token loss), itself one: the step weighs the
+    whole batch's tokens alike."""
+
+    def total(self, outputs, targets):
+        self._check(outputs)
+        return self.loss_fn.total(outputs, targets)
+
+    def weight(self, targets):
+        return self.loss_fn.weight(targets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.layers import apply_layer, init_layer, layer_rng, mode_kwargs
+from jaxhybrid.weighted_loss import WeightedMean
 
 PyTree = Any
 TASKS = ("classification", "language_model", "translation")
@@ -87,15 +88,18 @@ def _token_terms(outputs, targets, pad_id):
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenLoss:
-    """Mean cross-entropy per (non-padding) token of one microbatch; the pipeline
-    averages it over microbatches, so with padding the step's loss is a mean of
-    per-microbatch token means (docs/pipeline.md, "What the loss means")."""
+class TokenLoss(WeightedMean):
+    """Mean cross-entropy per (non-padding) token of the whole batch: a WeightedMean, so
+    a step sums it over its microbatches and divides by the batch's token count, on any
+    layout (it was a mean of per-microbatch token means, which moved with data x M)."""
     pad_id: int | None
 
-    def __call__(self, outputs, targets):
-        total, _, count = _token_terms(outputs, targets, self.pad_id)
-        return total / jnp.maximum(count, 1.0)
+    def total(self, outputs, targets):
+        return _token_terms(outputs, targets, self.pad_id)[0]
+
+    def weight(self, targets):
+        return (jnp.sum(targets != self.pad_id) if self.pad_id is not None
+                else jnp.asarray(targets.size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.layers import apply_layer, layer_rng, loss_dtype
+from jaxhybrid.weighted_loss import per_part
 
 PyTree = Any
 
@@ -54,6 +55,7 @@ def _reference_total(layers, per_layer, loss_fn, inputs, targets, data, num_micr
     """(per-layer params, per-layer other variables, total(params, states) -> (loss, new
     states)): the model run as the module docstring says."""
     n = data * num_microbatches
+    loss_fn, targets = per_part(loss_fn, targets, n)   # as the step (a WeightedMean)
     params = [dict(v).get("params", {}) for v in per_layer]
     states = [{c: t for c, t in dict(v).items() if c != "params"} for v in per_layer]
     # [data, M, microbatch, ...]: shard d holds rows d*B/data .. (d+1)*B/data, in order.
