@@ -151,7 +151,7 @@ def _stack_step(model: str, schedule: str = "zb-h1", width: int = 16, M: int = 4
     variables = pipe.pack(init_layers(stack, jax.random.key(0), x[:1]))
     step = pipe.value_and_grad(xent)
     jax.block_until_ready(step(variables, x, y))
-    return step, (variables, x, y), next(v for k, v in pipe._cache.items() if k[0] == "layouts")
+    return step, (variables, x, y), pipe._cache["last_layouts"]
 
 
 def test_split_backward_hands_w_its_cotangents_in_the_stash_space_b_frees():

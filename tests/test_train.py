@@ -189,8 +189,9 @@ def _restore(config, ckpt_dir, step):
     tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
-    assert meta["step"] == step and meta["layout"] == {"data": 2, "pipe": 4, "model": 1,
-                                                       "boundaries": [1, 2, 3]}
+    assert meta["step"] == step and meta["layout"] == {
+        "data": 2, "pipe": 4, "model": 1, "boundaries": [1, 2, 3], "schedule": "1f1b",
+        "num_microbatches": 4, "updates_per_step": 1}
     return checkpoint.to_portable(run.pipe, state)
 
 

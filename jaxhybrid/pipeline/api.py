@@ -306,11 +306,13 @@ class Pipeline(PipelineVariables):
                              f"use a batch that is a multiple of {n}.")
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((b // n, *np.shape(a)[1:]), a.dtype), tree)
 
-    def _layouts(self, mb_inputs, mb_targets, loss_fn, train, rng, traced: dict):
+    def _layouts(self, mb_inputs, mb_targets, loss_fn, train, rng, traced: dict | None = None):
         """The stage layouts, with `loss_fn` traced into the last stage's; kept in
         `traced`, the cache of one `value_and_grad` / `train_step` call, so that a new
         call traces the loss anew (as `jax.jit(jax.value_and_grad(f))` does: a loss object
-        whose attributes changed kept its first trace), and a loss need not be hashable."""
+        whose attributes changed kept its first trace), and a loss need not be hashable
+        (None: traced afresh, for benches). The last ones are `_cache["last_layouts"]`."""
+        traced = {} if traced is None else traced
         key = (self._generation, jax.tree.structure(mb_inputs), str(mb_inputs),
                str(mb_targets), train, rng is not None)
         if key not in traced:
@@ -318,6 +320,7 @@ class Pipeline(PipelineVariables):
                 traced[key] = layouts.stage_layouts(
                     self.engine(), mb_inputs, mb_targets, loss_fn, train, rng,
                     split=self.schedule.split_backward)
+        self._cache["last_layouts"] = traced[key]
         return traced[key]
 
     def _control(self, sched: Schedule) -> tables.ControlTable:
