@@ -131,7 +131,8 @@ _REMAT = ("checkpoint", "remat", "remat2")
 
 
 def _has_remat(jaxpr) -> bool:
-    return any(e.primitive.name in _REMAT or any(_has_remat(j) for j in jcore.jaxprs_in_params(e.params))
+    return any(e.primitive.name in _REMAT
+               or any(_has_remat(j) for j in jcore.jaxprs_in_params(e.params))
                for e in jaxpr.eqns)
 
 
