@@ -130,10 +130,9 @@ _tree_sums = jax.jit(lambda leaves: [_leaf_sum(a) for a in leaves])
 
 def checksums(tree: PyTree) -> dict:
     """{leaf path: checksum} of a portable tree of jax arrays (every process calls it)."""
-    paths, leaves = zip(*[(_path(p), a) for p, a in jax.tree_util.tree_leaves_with_path(tree)]) \
-        if jax.tree.leaves(tree) else ((), ())
-    sums = _tree_sums(list(leaves))
-    return {p: int(np.asarray(s.addressable_data(0))) for p, s in zip(paths, sums)}
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    sums = _tree_sums([a for _, a in flat])
+    return {_path(p): int(np.asarray(s.addressable_data(0))) for (p, _), s in zip(flat, sums)}
 
 
 def checksum_difference(saved, restored: PyTree) -> str | None:

@@ -21,6 +21,7 @@ microbatch's total is then scaled by its share. Called directly on one batch, a
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -30,15 +31,19 @@ import jax.numpy as jnp
 from jaxhybrid.layers import loss_dtype
 
 
-class WeightedMean:
+class WeightedMean(abc.ABC):
     """Base class: `total(outputs, targets)` (a sum over the microbatch) and
-    `weight(targets)` (what it is a mean over: tokens, non-masked examples)."""
+    `weight(targets)` (what it is a mean over: tokens, non-masked examples); a subclass
+    without either cannot be made."""
 
+    @abc.abstractmethod
     def total(self, outputs, targets):
-        raise NotImplementedError
+        """The loss summed over this microbatch (a scalar)."""
 
+    @abc.abstractmethod
     def weight(self, targets):
-        raise NotImplementedError
+        """What `total` is a sum over (e.g. the number of non-padding tokens), from the
+        targets alone."""
 
     def __call__(self, outputs, targets):
         return self.total(outputs, targets) / jnp.maximum(self.weight(targets), 1)

@@ -382,8 +382,9 @@ class Pipeline(PipelineVariables):
         """Returns f(variables, inputs, targets, rng=None) -> (loss, grads, new_variables).
 
         loss is the mean of `loss_fn(outputs, targets)` over the data x M microbatches
-        of the global batch (a per-token or summed loss then depends on data x M:
-        docs/pipeline.md, "What the loss means"); each call traces `loss_fn` anew;
+        of the global batch, or a `jp.WeightedMean`'s mean over the whole batch (a plain
+        per-token or summed loss depends on data x M: docs/pipeline.md, "What the loss
+        means"); each call traces `loss_fn` anew;
         grads (same structure as variables["params"]) its gradient;
         new_variables carry the updated mutable collections (e.g. batch_stats, updated
         per microbatch in order, then averaged over data replicas)."""

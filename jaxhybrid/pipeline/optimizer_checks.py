@@ -91,12 +91,13 @@ def _probe_runs(optimizer, keys: list) -> dict:
     grads = [draw(1e6, 1), draw(1e-3, 1e-3), draw(1, 1), draw(0.1, 3), draw(1, 1)][:_STEPS]
     # MultiSteps(lamb, 8) emitted zeros in all five steps, and the probe passed it. Such
     # an optimizer is probed over more steps, jitted (eagerly, MultiSteps took 17 s).
-    emits = lambda opt: any(np.any(np.asarray(a) != 0) for u in _run(opt, params, grads)
-                            for a in jax.tree.leaves(u))
-    if not emits(optimizer):
+    emits = lambda updates: any(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(updates))
+    finite = _run(optimizer, params, grads)
+    if not emits(finite):
         optimizer = _Jitted(optimizer.init, jax.jit(optimizer.update))
-        while len(grads) < _MAX_STEPS and not emits(optimizer):
+        while len(grads) < _MAX_STEPS and not emits(finite):
             grads += [draw(10.0 ** rs.randint(-2, 3), 1) for _ in grads]
+            finite = _run(optimizer, params, grads)
     nonfinite = [draw(1, 1), draw(1, 1)]
     for v in nonfinite[1].values():
         v[4] = np.nan
@@ -106,7 +107,7 @@ def _probe_runs(optimizer, keys: list) -> dict:
     one = lambda tree, name: {name: tree[k0]}
     big = lambda v: np.concatenate([v, rs.randn(1 << 16).astype(np.float32)])
     return dict(
-        whole=_run(optimizer, params, grads) + _run(optimizer, params, nonfinite),
+        whole=finite + _run(optimizer, params, nonfinite),
         parts=[_run(optimizer, half(params, h), [half(g, h) for g in grads])
                + _run(optimizer, half(params, h), [half(g, h) for g in nonfinite])
                for h in (0, 1)],
