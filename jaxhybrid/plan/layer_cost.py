@@ -74,6 +74,11 @@ class LayerCost:
     # The float parameters' bytes by dtype ({}: unknown): a recomputed layer's backward is
     # one jax.checkpoint equation B runs whole, so its parameter gradients cross to W.
     param_by_dtype: dict = dataclasses.field(default_factory=dict)
+    # Of the stashed residuals, what an earlier layer stashes too (the same value: one's
+    # output is a later one's input), as [distance back to the nearest such layer, dtype
+    # name, bytes]: a stage holding both, neither recomputed, stashes it once ([]: none
+    # known; pieces of a split model record it).
+    shared_residuals: list = dataclasses.field(default_factory=list)
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -88,7 +93,9 @@ class LayerCost:
             "model_fwd_comm_bytes", "model_bwd_comm_bytes", "bwd_temp_bytes")}
         per_dtype = {f: {k: int(round(v * r)) for k, v in getattr(self, f).items()}
                      for f in BY_DTYPE_FIELDS}
-        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints, **per_dtype)
+        shared = [[d, t, int(round(n * r))] for d, t, n in self.shared_residuals]
+        return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints, **per_dtype,
+                                   shared_residuals=shared)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,7 +107,7 @@ class LayerCost:
 
 BY_DTYPE_FIELDS = ("saved_by_dtype", "cross_by_dtype", "weight_saved_by_dtype")
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
-                    if f.name not in ("name", "param_by_dtype", *BY_DTYPE_FIELDS))
+                    if f.name not in ("name", "param_by_dtype", "shared_residuals", *BY_DTYPE_FIELDS))
 
 
 def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:

@@ -40,7 +40,8 @@ each term by name; `scripts/bench.py memory` compares their sum with the compile
                                    the copies the compiled step holds for in-stream updates
 
 with kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
-saved_bytes, plus, on the last stage, the loss's residuals (the model output's bytes:
+saved_bytes (less what an earlier layer of the stage, not recomputed, stashes too: one
+value, `LayerCost.shared_residuals`), plus, on the last stage, the loss's residuals (the model output's bytes:
 cross-entropy keeps the softmax for its backward); row = per dtype the largest stage's
 kept residuals, summed (one stash buffer per dtype); transient_s = the largest
 saved_bytes - saved_bytes_remat among its recomputed layers.
@@ -153,16 +154,25 @@ def _on_device(costs, param_state_factor, model, zero_shards, optimizer_factor):
     return [local_cost(c, model) for c in costs], factor
 
 
-def _kept_by_dtype(costs, a, b, r) -> dict:
+def _kept_by_dtype(costs, a, b, r, shared: bool = True) -> dict:
     """A stage's kept residuals by dtype name (one stash buffer per dtype). Residuals of
-    unknown dtype, recomputed layers' inputs and the loss's count as float32."""
+    unknown dtype, recomputed layers' inputs and the loss's count as float32. A value two
+    neighbouring layers both stash (`LayerCost.shared_residuals`) counts once, unless
+    `shared=False`: the recompute search's linear model, where recomputing a layer frees
+    all of its residuals (an upper bound on what is kept; its picks are checked against
+    the model with sharing)."""
     out: dict = {}
     for i, c in enumerate(costs[a:b], a):
         if r[i]:
             parts = {"float32": c.saved_bytes_remat}
         elif sum(c.saved_by_dtype.values()):
             share = _residual_share(c)   # once per layer, not once per dtype
-            parts = {d: v * share for d, v in c.saved_by_dtype.items()}
+            # What an earlier layer of the stage, not recomputed, stashes too is one value.
+            once: dict = {}
+            for dist, d, n in (c.shared_residuals if shared else ()):
+                if i - dist >= a and not r[i - dist]:
+                    once[d] = once.get(d, 0) + n
+            parts = {d: max(v - once.get(d, 0), 0) * share for d, v in c.saved_by_dtype.items()}
         else:   # no by-dtype split recorded
             parts = {"float32": c.saved_bytes}
         for d, v in parts.items():
@@ -451,7 +461,7 @@ def _per_dtype_options(costs, ranges, stages, budget, fixed, rows, max_caps) -> 
     per_stage = []   # [options, dtypes] kept bytes of every subset of every stage
     for (a, b), o in zip(ranges, stages):
         masks = o.options[0]
-        plain = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
+        plain = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool), shared=False)
         per_stage.append((plain, masks))
     dtypes = sorted({d for plain, _ in per_stage for d in plain} | {"float32"})
     if len(dtypes) < 2:
