@@ -30,7 +30,11 @@ returning those residuals (plain / under `jax.checkpoint`; tests/test_costs.py c
                      `pipeline.backward.SplitBackward` over the stashed residuals), what
                      the input half B hands to the weight half W (the crossing values);
   weight_saved_by_dtype  the stashed residuals W still reads once B has run (the rest of
-                     the row is free for crossing values).
+                     the row is free for crossing values);
+  shared_residuals   what the layer stashes that the layer before it stashes too: its
+                     input leaves that the layer before stashes as its output (a tanh
+                     layer keeps its output, the matmul layer after it its input: one
+                     value in a stage holding both).
 
 Times: measured (median, or minimum, of `repeats` runs after a warm-up,
 `block_until_ready`, less the same figure for a compiled no-op taking the same arguments:
@@ -140,10 +144,10 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 7   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+COST_FORMAT = 8   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
 #                   5: residuals the backward recomputes cheaply are not counted;
 #                   6: a split backward's crossing values and W's residuals;
-#                   7: float parameters by dtype
+#                   7: float parameters by dtype; 8: residuals shared with the layer before
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -330,9 +334,14 @@ def _profile(layers, x, *, train, measure, timing, rng, variables, names, peaks)
         raise
     if pool is not None:
         pool.shutdown()
-    return [LayerCost(name=names[i], batch_size=batch, measured=bool(measure),
-                      **(f.result() if isinstance(f, concurrent.futures.Future) else f))
-            for i, f in enumerate(per_layer)]
+    out, io_before = [], None
+    for i, f in enumerate(per_layer):
+        fields = dict(f.result() if isinstance(f, concurrent.futures.Future) else f)
+        io = fields.pop("stashed_io")
+        out.append(LayerCost(name=names[i], batch_size=batch, measured=bool(measure),
+                             shared_residuals=shared_with_previous(io_before, io), **fields))
+        io_before = io
+    return out
 
 
 def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, timing, peaks,
@@ -370,6 +379,13 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     if measure:
         yf, vjp_fn = jax.jit(forward_vjp)(params, xf, state, x_leaves)
     saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
+    # jaxpr inputs: params, float inputs (leaves `fidx`), state, every input leaf.
+    n_p, n_s = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
+    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
+    y_float = [k for k, l in enumerate(jax.tree.leaves(y)) if _is_float(l)]
+    io = _stashed_io(closed, saved["vars"],
+                     [(n_p + j, k) for j, k in enumerate(fidx)]
+                     + [(n_p + len(fidx) + n_s + k, k) for k in range(len(x_leaves))], y_float)
     split = _split_backward_bytes(forward_vjp, (params, xf, state, x_leaves)) if yf else {}
     bwd_lowered = ct = None
     if yf:
@@ -381,7 +397,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
                   cross_by_dtype=split.get("cross", {}),
                   param_by_dtype=float_bytes_by_dtype(params),
-                  weight_saved_by_dtype=split.get("weight_saved", {}),
+                  weight_saved_by_dtype=split.get("weight_saved", {}), stashed_io=io,
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),
                                 boxed_params=boxed_params, asks_degree=bool(asked)))
@@ -411,16 +427,44 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
 
 
 def _stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
-    """{"bytes", "by_dtype"} of the residuals the engine stashes, from the jaxpr of
+    """{"bytes", "by_dtype", "vars"} of the residuals the engine stashes, from the jaxpr of
     forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
     indices of its kept (non-variable) leaves: `backward.Derivation` drops those the
-    backward recomputes cheaply from the others, as the pipeline runtime does."""
+    backward recomputes cheaply from the others, as the pipeline runtime does. "vars":
+    the stashed values' jaxpr variables."""
     from jaxhybrid.pipeline.backward import Derivation
 
     out = closed.jaxpr.outvars
     leaves = [out[num_outputs + i] for i in kept]
-    by_dtype = _bytes_by_dtype([leaves[i].aval for i in Derivation.of(closed, leaves).stash])
-    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype}
+    stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
+    by_dtype = _bytes_by_dtype([v.aval for v in stashed])
+    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "vars": stashed}
+
+
+def _stashed_io(closed, stashed: list, inputs: list, outputs: list) -> dict:
+    """Which stashed values (`_stashed_bytes`'s "vars") are the layer's own input or
+    output leaves, unchanged: {"in" | "out": {leaf index: [dtype name, bytes]}}.
+    `inputs`: (jaxpr input position, input leaf index) pairs; `outputs`: the output leaf
+    index of each of the jaxpr's first outputs. A tanh layer stashes its output and the
+    matmul after it its input: one value, which a stage holding both stashes once."""
+    ins = {id(closed.jaxpr.invars[j]): k for j, k in inputs}
+    outs = {id(v): k for v, k in zip(closed.jaxpr.outvars, outputs)}
+    io: dict = {"in": {}, "out": {}}
+    for v in stashed:
+        rec = [np.dtype(v.aval.dtype).name, _nbytes(v.aval)]
+        if id(v) in ins:
+            io["in"][ins[id(v)]] = rec
+        if id(v) in outs:
+            io["out"][outs[id(v)]] = rec
+    return io
+
+
+def shared_with_previous(io_before: dict | None, io: dict) -> list:
+    """`LayerCost.shared_residuals` of a layer from its `_stashed_io` and the layer
+    before's (whose output is its input): the input leaves both stash."""
+    if not io_before:
+        return []
+    return [[1, *io["in"][k]] for k in sorted(io["in"]) if k in io_before["out"]]
 
 
 def _split_backward_bytes(forward_vjp, args) -> dict:
