@@ -207,6 +207,60 @@ def test_executor_matches_reference(widths):
         assert _max_err(burst.first_copy(grads), pg) < 1e-5
 
 
+def _masked_batch():
+    r = np.random.RandomState(3)
+    x = r.randn(B, 12).astype(np.float32)
+    mask = (np.arange(B) >= 20).astype(np.float32)   # 12 of 32 rows count, all in the back
+    mask[3] = 1.0
+    return x, {"labels": (np.arange(B) % 10).astype(np.int32), "mask": mask}
+
+
+@pytest.mark.parametrize("widths", [(8, 8), (8, 2), (2, 8), (1, 4)])
+def test_a_weighted_mean_is_the_whole_batchs_at_any_widths(widths):
+    # It was taken per chunk (a mean of the chunks' token means): with the masked rows
+    # bunched, the loss and gradients moved with the last layer's width.
+    from jaxhybrid import pipeline as jp
+
+    class MaskedCE(jp.WeightedMean):
+        def total(self, logits, t):
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, t["labels"])
+            return jnp.sum(ce * t["mask"])
+
+        def weight(self, t):
+            return jnp.sum(t["mask"])
+
+    loss_fn = MaskedCE()
+    layers = [Residual(12), Head()]
+    mesh = make_mesh(data=G)
+    x, t = _masked_batch()
+    v = init_layers(layers, jax.random.PRNGKey(0), x[:2])
+    prog = burst.BurstProgram(layers, loss_fn, widths, mesh, B)
+    loss, grads, _ = burst.value_and_grad(prog, burst.replicate(v, mesh), x, t, None)
+
+    def plain(p):
+        out, _ = apply_layers(layers, [{**s, "params": q} for q, s in zip(p, v)], x, train=True)
+        return loss_fn(out, t)
+    pl, pg = jax.value_and_grad(plain)([u["params"] for u in v])
+    assert float(loss) == pytest.approx(float(pl), rel=1e-6)
+    assert _max_err(burst.first_copy(grads), pg) < 1e-5
+    r_loss, r_grads, _ = burst.reference_value_and_grad(layers, v, loss_fn, x, t, widths)
+    assert float(r_loss) == pytest.approx(float(pl), rel=1e-6)
+    assert _max_err(r_grads, pg) < 1e-5
+    if widths == (8, 2):   # the train step and the multiplexed step weigh it alike
+        opt = optax.sgd(0.1)
+        state = burst.init_train_state(opt, v, mesh)
+        t_loss, _ = burst.train_step(prog, opt, state, x, t, None)
+        assert float(t_loss) == pytest.approx(float(pl), rel=1e-6)
+        bx = np.ones((G, 4, 12), np.float32)
+        by = (np.arange(G * 4) % 10).reshape(G, 4).astype(np.int32)
+        job = multiplex.BackgroundJob(BG_LAYERS, xent, opt, 4)
+        bts = burst.init_train_state(opt, init_layers(BG_LAYERS, jax.random.PRNGKey(2), bx[0]), mesh)
+        m_loss, *_ = multiplex.multiplexed_step(multiplex.MuxProgram(prog, opt, job), state, bts,
+                                                x, t, bx, by, jax.random.PRNGKey(1),
+                                                jax.random.PRNGKey(3))
+        assert float(m_loss) == pytest.approx(float(pl), rel=1e-6)
+
+
 def test_bad_widths_and_mesh_errors():
     mesh = make_mesh(data=G)
     with pytest.raises(ValueError, match="power of two"):

@@ -114,6 +114,19 @@ def chunk_loss(program: "BurstProgram", y, t):
     return scalar_loss(program.loss_fn, y, t, "burst", "the chunk's mean loss")
 
 
+def weighed(program: "BurstProgram", targets):
+    """(program, targets) of a step on the global batch `targets`: a `jp.WeightedMean`
+    loss becomes each chunk's share of the whole batch's weighted mean (its total over
+    the batch's weight, computed here before the batch is split, times the last layer's
+    width, which the step divides by), so a mean per token does not move with the
+    widths; any other loss as it is (the mean of the chunks' losses)."""
+    from jaxhybrid.weighted_loss import per_part
+    loss, targets = per_part(program.loss_fn, targets, program.widths[-1])
+    if loss is program.loss_fn:
+        return program, targets
+    return dataclasses.replace(program, loss_fn=loss), targets
+
+
 def _relayout(x: PyTree, g_from: int, g_to: int, batch: int, what: str = "activation") -> PyTree:
     """Local chunk of the batch laid out over g_from devices -> over g_to devices.
     Top level only (it is a collective)."""
@@ -351,6 +364,7 @@ def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
 
     check_batch(program, inputs, targets)
     check_stacked("variables", variables, program.num_devices)
+    program, targets = weighed(program, targets)
     return shard(program, body, (P(), P(DATA), P(DATA)))(variables, inputs, targets, rng)
 
 
@@ -380,6 +394,7 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
 
     check_batch(program, inputs, targets)
     check_stacked("train_state", train_state, program.num_devices)
+    program, targets = weighed(program, targets)
     return shard(program, body, (P(), P(DATA)))(train_state, inputs, targets, rng)
 
 

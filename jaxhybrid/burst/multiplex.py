@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
                                       check_batch, check_stacked,
-                                      explicit_value_and_grad, shard)
+                                      explicit_value_and_grad, shard, weighed)
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA
 
@@ -274,6 +274,7 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     check_batch(prog, fg_inputs, fg_targets)
     check_stacked("fg_state", fg_state, prog.num_devices)
     check_background(mux, bg_state, bg_inputs, bg_targets)
+    prog, fg_targets = weighed(prog, fg_targets)
     return shard(prog, body, (P(), P(DATA), P(DATA), P(DATA)), n_stacked=2, n_batches=4, n_keys=2)(
         fg_state, bg_state, fg_inputs, fg_targets, bg_inputs, bg_targets, fg_rng, bg_rng)
 

@@ -4,7 +4,8 @@ Semantics of a burst plan with per-layer widths g_l over a global batch B: layer
 the batch as g_l consecutive chunks of B / g_l rows; chunk c draws dropout from
 `layer_rng(rng, c, l)`; stateful layers (BatchNorm) normalise per chunk and the new
 state is the mean over chunks. The loss is the mean over the last layer's chunks of
-`loss_fn(chunk outputs, chunk targets)`. For layers without state or dropout, chunking
+`loss_fn(chunk outputs, chunk targets)`; a `jp.WeightedMean`'s is the whole batch's
+total over its weight (a mean per token, whatever the widths). For layers without state or dropout, chunking
 changes nothing: the result is the plain model on the whole batch.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.layers import apply_layer, layer_rng, loss_dtype
+from jaxhybrid.weighted_loss import WeightedMean
 
 
 def _chunks(x, n):
@@ -42,6 +44,9 @@ def reference_value_and_grad(layers: Sequence, variables: Sequence[dict], loss_f
             new_states.append(jax.tree.map(lambda a: jnp.mean(a, axis=0), st))
             x = _merge(y)
         g = widths[-1]
+        if isinstance(loss_fn, WeightedMean):   # the whole batch's total over its weight
+            return (jnp.asarray(loss_fn.total(x, targets), loss_dtype())
+                    / jnp.maximum(jnp.asarray(loss_fn.weight(targets), loss_dtype()), 1)), new_states
         losses = jax.vmap(lambda y, t: jnp.asarray(loss_fn(y, t), loss_dtype()))(
             _chunks(x, g), _chunks(targets, g))
         return jnp.mean(losses), new_states
