@@ -373,7 +373,7 @@ class Checkpointer:
         if step is None:
             return
         try:
-            saved, layout = self._saved_shapes(step)
+            saved, layout = self._saved_shapes_and_layout(step)
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise plain Exceptions)
             raise CheckpointMismatch(self._damaged(step, e)) from None
         if not saved:
@@ -385,7 +385,7 @@ class Checkpointer:
         if why:
             raise CheckpointMismatch(self._mismatch(step, why))
 
-    def _saved_shapes(self, step: int) -> tuple[dict, dict | None]:
+    def _saved_shapes_and_layout(self, step: int) -> tuple[dict, dict | None]:
         """({leaf path: shape} of a step's portable tree, its saved layout): from its
         meta JSON (one small file), or from orbax's array metadata for checkpoints
         written before it was kept there."""
