@@ -34,6 +34,7 @@ from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, r
 
 _FORMAT = "piece-2"   # on-disk records: 2 added the stashed residuals
 
+
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
     """One LayerCost per piece of `split` on `sample` (one microbatch)."""
     x_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), sample)
@@ -92,6 +93,10 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             if disk is not None:
                 plan_costs._write_text(disk, json.dumps(seen[sig]))
         f_flops, f_bytes, b_flops, b_bytes, res = seen[sig]
+        if res is None:   # not traceable alone: every float value it makes, an upper bound
+            made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
+            res = {"saved": plan_costs._bytes_by_dtype([prog.avals[o] for o in made]),
+                   "cross": {}, "weight_saved": {}, "io": []}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
         io = {(args[n] if where == "in" else outs[n]): nbytes for where, n, nbytes in res["io"]}
@@ -128,7 +133,8 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     `num_vars` variables, then its inputs; `diff`: the float arguments differentiated),
     traced abstractly: {"saved", "cross", "weight_saved"} bytes by dtype, and "io": the
     stashed values that are its arguments or outputs, as ("in", argument index, bytes)
-    or ("out", output index, bytes) (what a neighbour may stash too)."""
+    or ("out", output index, bytes) (what a neighbour may stash too). None when the
+    piece cannot be differentiated alone."""
     from jaxhybrid.pipeline.backward import Derivation
     p_idx = [n for n in diff if n < num_vars]
     x_idx = [n for n in diff if n >= num_vars]
@@ -155,8 +161,8 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
         return empty
     try:
         closed, (ys, _) = jax.make_jaxpr(forward_vjp, return_shape=True)(*args)
-    except Exception:   # noqa: BLE001  (e.g. an integer-only piece: nothing to stash)
-        return empty
+    except Exception:   # noqa: BLE001  (the caller counts every float value it makes)
+        return None
     n = len(jax.tree.leaves(ys))
     leaves = [closed.jaxpr.outvars[n + i] for i in traced["kept"]]
     stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
