@@ -4,12 +4,13 @@
 dozen hand-written layers, ~8 s per piece of a 3,000-equation model on a busy 2-core
 CPU). Pieces of a split model are straight-line segments of one program, so here each
 piece's forward and forward+vjp are only lowered to HLO, and XLA's HLO cost analysis of
-the unoptimised module gives FLOPs and bytes (no compilation); backward = the
+the unoptimised module gives FLOPs and bytes (no compilation for times); backward = the
 difference. Residual memory is what the engine stashes for the piece: its forward + vjp
 traced (abstractly) as a stage's is, the parameters and what the backward recomputes
 cheaply left out (`pipeline.backward.Residuals` / `Derivation`, as in `plan.costs`), with
-the split backward's crossing values for zb-h1 / zbv; the recompute variant is its
-inputs. Neighbouring pieces often stash the same value (one's output, the next one's
+the split backward's crossing values for zb-h1 / zbv, and the backward's temporaries
+(the one compile per distinct piece: its backward alone, unoptimised); the recompute
+variant is its inputs. Neighbouring pieces often stash the same value (one's output, the next one's
 input): `shared_residuals` records what a piece stashes that an earlier piece stashes
 too, which the memory model counts once when both run in one stage (it summed every
 value the pieces compute: GPT small as one module, 189MB predicted against 54MB compiled).
@@ -32,7 +33,7 @@ from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
 
 
-_FORMAT = "piece-2"   # on-disk records: 2 added the stashed residuals
+_FORMAT = "piece-3"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -96,7 +97,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         if res is None:   # not traceable alone: every float value it makes, an upper bound
             made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
             res = {"saved": plan_costs._bytes_by_dtype([prog.avals[o] for o in made]),
-                   "cross": {}, "weight_saved": {}, "io": []}
+                   "cross": {}, "weight_saved": {}, "io": [], "bwd_temp": 0}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
         io = {(args[n] if where == "in" else outs[n]): nbytes for where, n, nbytes in res["io"]}
@@ -113,7 +114,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             in_bytes=nb(in_ids), out_bytes=nb(outs), saved_bytes=int(sum(res["saved"].values())),
             saved_bytes_remat=nb(in_ids), saved_by_dtype=dict(res["saved"]),
             cross_by_dtype=dict(res["cross"]), weight_saved_by_dtype=dict(res["weight_saved"]),
-            shared_residuals=shared,
+            shared_residuals=shared, bwd_temp_bytes=int(res["bwd_temp"]),
             fwd_time=roofline_time(f_flops, f_bytes, peak_flops, bandwidth),
             bwd_time=roofline_time(b_flops, b_bytes, peak_flops, bandwidth),
             measured=False, state_bytes=nb(state),
@@ -156,13 +157,18 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
         return ys, pull
 
     args = ([avals[n] for n in p_idx], [avals[n] for n in x_idx], [avals[n] for n in rest_idx])
-    empty = {"saved": {}, "cross": {}, "weight_saved": {}, "io": []}
+    empty = {"saved": {}, "cross": {}, "weight_saved": {}, "io": [], "bwd_temp": 0}
     if not float_outs:
         return empty
     try:
-        closed, (ys, _) = jax.make_jaxpr(forward_vjp, return_shape=True)(*args)
+        closed, (ys, pull) = jax.make_jaxpr(forward_vjp, return_shape=True)(*args)
     except Exception:   # noqa: BLE001  (the caller counts every float value it makes)
         return None
+    # The backward alone (residuals in, cotangents out), compiled at the lowest
+    # optimisation level for its temporaries: a conv net's pieces held ~1 residual row
+    # of them, and without them its split was predicted 12% under the compiled step.
+    bwd_temp = plan_costs._temp_bytes(plan_costs._compile(
+        jax.jit(lambda vf, c: vf(c)).lower(pull, list(ys)), False))
     n = len(jax.tree.leaves(ys))
     leaves = [closed.jaxpr.outvars[n + i] for i in traced["kept"]]
     stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
@@ -179,4 +185,4 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     split = plan_costs._split_backward_bytes(forward_vjp, args)
     return {"saved": plan_costs._bytes_by_dtype([v.aval for v in stashed]),
             "cross": split.get("cross", {}), "weight_saved": split.get("weight_saved", {}),
-            "io": io}
+            "io": io, "bwd_temp": bwd_temp}
