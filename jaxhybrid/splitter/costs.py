@@ -105,6 +105,9 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                   for i, n in io.items() if i in stashed_by]
         stashed_by.update(dict.fromkeys(io, k))
         nb = lambda ids: int(sum(prog.nbytes(i) for i in ids))
+        # Recomputed, a piece keeps the inputs its operations read; what it only passes
+        # on (a residual stream around an attention block) needs no recomputation.
+        read = sorted({i for u in seg.units for i in u.ins} & set(in_ids))
         params = [i for key, i in seg.reads.items() if split.var_name(key)[0] == "params"]
         state = [i for key, i in seg.reads.items() if split.var_name(key)[0] != "params"]
         out.append(LayerCost(
@@ -112,7 +115,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             fwd_bytes=f_bytes, bwd_bytes=b_bytes, param_bytes=nb(params),
             param_count=int(sum(np.prod(prog.avals[i].shape) for i in params)),
             in_bytes=nb(in_ids), out_bytes=nb(outs), saved_bytes=int(sum(res["saved"].values())),
-            saved_bytes_remat=nb(in_ids), saved_by_dtype=dict(res["saved"]),
+            saved_bytes_remat=nb(read), saved_by_dtype=dict(res["saved"]),
             cross_by_dtype=dict(res["cross"]), weight_saved_by_dtype=dict(res["weight_saved"]),
             shared_residuals=shared, bwd_temp_bytes=int(res["bwd_temp"]),
             fwd_time=roofline_time(f_flops, f_bytes, peak_flops, bandwidth),
