@@ -64,6 +64,8 @@ import numpy as np
 from jaxhybrid.plan.layer_cost import (COST_FIELDS, LayerCost, cost_arrays, device_peak,  # noqa: F401
                                       layer_times, roofline_time)
 from jaxhybrid.plan.layer_timing import layer_time
+from jaxhybrid.plan.residuals import (shared_with_previous, split_backward_bytes,  # noqa: F401
+                                     stashed_bytes, stashed_io)
 
 PyTree = Any
 
@@ -378,15 +380,15 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
         params, xf, state, x_leaves)
     if measure:
         yf, vjp_fn = jax.jit(forward_vjp)(params, xf, state, x_leaves)
-    saved = _stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
+    saved = stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
     # jaxpr inputs: params, float inputs (leaves `fidx`), state, every input leaf.
     n_p, n_s = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
     fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
     y_float = [k for k, l in enumerate(jax.tree.leaves(y)) if _is_float(l)]
-    io = _stashed_io(closed, saved["vars"],
+    io = stashed_io(closed, saved["vars"],
                      [(n_p + j, k) for j, k in enumerate(fidx)]
                      + [(n_p + len(fidx) + n_s + k, k) for k in range(len(x_leaves))], y_float)
-    split = _split_backward_bytes(forward_vjp, (params, xf, state, x_leaves)) if yf else {}
+    split = split_backward_bytes(forward_vjp, (params, xf, state, x_leaves)) if yf else {}
     bwd_lowered = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
@@ -424,83 +426,6 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                     bwd_temp_bytes=bwd_temp, **shapes)
 
     return (compiled_costs() if pool is None else pool.submit(compiled_costs)), y
-
-
-def _stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
-    """{"bytes", "by_dtype", "vars"} of the residuals the engine stashes, from the jaxpr of
-    forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
-    indices of its kept (non-variable) leaves: `backward.Derivation` drops those the
-    backward recomputes cheaply from the others, as the pipeline runtime does. "vars":
-    the stashed values' jaxpr variables."""
-    from jaxhybrid.pipeline.backward import Derivation
-
-    out = closed.jaxpr.outvars
-    leaves = [out[num_outputs + i] for i in kept]
-    stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
-    by_dtype = _bytes_by_dtype([v.aval for v in stashed])
-    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "vars": stashed}
-
-
-def _stashed_io(closed, stashed: list, inputs: list, outputs: list) -> dict:
-    """Which stashed values (`_stashed_bytes`'s "vars") are the layer's own input or
-    output leaves, unchanged: {"in" | "out": {leaf index: [dtype name, bytes]}}.
-    `inputs`: (jaxpr input position, input leaf index) pairs; `outputs`: the output leaf
-    index of each of the jaxpr's first outputs. A tanh layer stashes its output and the
-    matmul after it its input: one value, which a stage holding both stashes once."""
-    ins = {id(closed.jaxpr.invars[j]): k for j, k in inputs}
-    outs = {id(v): k for v, k in zip(closed.jaxpr.outvars, outputs)}
-    io: dict = {"in": {}, "out": {}}
-    for v in stashed:
-        rec = [np.dtype(v.aval.dtype).name, _nbytes(v.aval)]
-        if id(v) in ins:
-            io["in"][ins[id(v)]] = rec
-        if id(v) in outs:
-            io["out"][outs[id(v)]] = rec
-    return io
-
-
-def shared_with_previous(io_before: dict | None, io: dict) -> list:
-    """`LayerCost.shared_residuals` of a layer from its `_stashed_io` and the layer
-    before's (whose output is its input): the input leaves both stash."""
-    if not io_before:
-        return []
-    return [[1, *io["in"][k]] for k in sorted(io["in"]) if k in io_before["out"]]
-
-
-def _split_backward_bytes(forward_vjp, args) -> dict:
-    """{"cross", "weight_saved"}: by dtype, the crossing values of the layer's backward
-    split into B and W as the engine splits a stage's (its stashed residuals from
-    `Residuals` and `Derivation`, `SplitBackward` over them), and the stashed residuals
-    W reads. Traced abstractly. {} when the backward cannot be split (a schedule with
-    a split backward then fails in the pipeline itself, with its own message)."""
-    import jax
-
-    from jaxhybrid.pipeline.backward import Residuals, SplitBackward
-
-    residuals = Residuals()
-
-    def forward(p, *rest):
-        yf, vjp_fn = forward_vjp(p, *rest)
-        return yf, residuals.split(0, vjp_fn, p)
-
-    try:
-        closed, (yf, kept) = jax.make_jaxpr(forward, return_shape=True)(*args)
-        n = len(jax.tree.leaves(yf))
-        kept = [kept[i] for i in residuals.derive(0, closed, closed.jaxpr.outvars[
-            n:n + len(kept)]).stash]
-        split = SplitBackward(lambda p, res, ct: residuals.rebuild(0, res, p)(ct), args[0],
-                              kept, list(yf), len(jax.tree.leaves(args[0])))
-    except Exception:   # noqa: BLE001  (only split schedules' memory estimate is lost)
-        return {}
-    live = [a for a, w in zip(kept, split.weight_reads_residual) if w]
-    return {"cross": _bytes_by_dtype(split.crossing_avals), "weight_saved": _bytes_by_dtype(live)}
-
-
-def _bytes_by_dtype(avals) -> dict:
-    out: dict = {}
-    for a in avals:
-        out[np.dtype(a.dtype).name] = out.get(np.dtype(a.dtype).name, 0) + _nbytes(a)
-    return out
 
 
 def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):

@@ -70,7 +70,8 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
     from jaxhybrid import tensor_parallel
     from jaxhybrid.layers import init_layer
     from jaxhybrid.models.spec import _jaxpr_flops
-    from jaxhybrid.plan.costs import _forward_vjp, _stashed_bytes
+    from jaxhybrid.plan.costs import _forward_vjp
+    from jaxhybrid.plan.residuals import stashed_bytes
 
     lvars = tensor_parallel.eval_shape(
         lambda k, xx: init_layer(layer, k, xx, train=train)[0], jax.random.key(0), x)
@@ -82,7 +83,7 @@ def _traced(layer, x, drop, diff_inputs: bool, train: bool):
     bwd = (0.0, 0)
     if yf:
         bwd = _collectives(tensor_parallel.make_jaxpr(lambda vf, c: vf(c))(vjp_fn, yf).jaxpr)
-    stashed = _stashed_bytes(fwd, len(jax.tree.leaves(yf)), traced["kept"])["bytes"]
+    stashed = stashed_bytes(fwd, len(jax.tree.leaves(yf)), traced["kept"])["bytes"]
     return float(stashed), _jaxpr_flops(fwd.jaxpr), _collectives(fwd.jaxpr), bwd
 
 

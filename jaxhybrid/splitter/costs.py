@@ -31,6 +31,7 @@ import re
 
 from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
+from jaxhybrid.plan.residuals import bytes_by_dtype, dtype_and_bytes, split_backward_bytes
 
 
 _FORMAT = "piece-3"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries
@@ -96,12 +97,12 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         f_flops, f_bytes, b_flops, b_bytes, res = seen[sig]
         if res is None:   # not traceable alone: every float value it makes, an upper bound
             made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
-            res = {"saved": plan_costs._bytes_by_dtype([prog.avals[o] for o in made]),
+            res = {"saved": bytes_by_dtype([prog.avals[o] for o in made]),
                    "cross": {}, "weight_saved": {}, "io": [], "bwd_temp": 0}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
         io = {(args[n] if where == "in" else outs[n]): nbytes for where, n, nbytes in res["io"]}
-        shared = [[k - stashed_by[i], np.dtype(prog.avals[i].dtype).name, n]
+        shared = [[k - stashed_by[i], dtype_and_bytes(prog.avals[i])[0], n]
                   for i, n in io.items() if i in stashed_by]
         stashed_by.update(dict.fromkeys(io, k))
         nb = lambda ids: int(sum(prog.nbytes(i) for i in ids))
@@ -180,12 +181,12 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     out_of = {id(v): float_outs[m] for m, v in enumerate(closed.jaxpr.outvars[:n])}
     io = []
     for v in stashed:
-        nbytes = plan_costs._nbytes(v.aval)
+        nbytes = dtype_and_bytes(v.aval)[1]
         if id(v) in arg_of and arg_of[id(v)] >= num_vars:
             io.append(("in", arg_of[id(v)], nbytes))
         elif id(v) in out_of:
             io.append(("out", out_of[id(v)], nbytes))
-    split = plan_costs._split_backward_bytes(forward_vjp, args)
-    return {"saved": plan_costs._bytes_by_dtype([v.aval for v in stashed]),
+    split = split_backward_bytes(forward_vjp, args)
+    return {"saved": bytes_by_dtype([v.aval for v in stashed]),
             "cross": split.get("cross", {}), "weight_saved": split.get("weight_saved", {}),
             "io": io, "bwd_temp": bwd_temp}
