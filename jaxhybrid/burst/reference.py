@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.layers import apply_layer, layer_rng, loss_dtype
-from jaxhybrid.weighted_loss import WeightedMean
+from jaxhybrid.weighted_loss import per_part
 
 
 def _chunks(x, n):
@@ -44,11 +44,9 @@ def reference_value_and_grad(layers: Sequence, variables: Sequence[dict], loss_f
             new_states.append(jax.tree.map(lambda a: jnp.mean(a, axis=0), st))
             x = _merge(y)
         g = widths[-1]
-        if isinstance(loss_fn, WeightedMean):   # the whole batch's total over its weight
-            return (jnp.asarray(loss_fn.total(x, targets), loss_dtype())
-                    / jnp.maximum(jnp.asarray(loss_fn.weight(targets), loss_dtype()), 1)), new_states
-        losses = jax.vmap(lambda y, t: jnp.asarray(loss_fn(y, t), loss_dtype()))(
-            _chunks(x, g), _chunks(targets, g))
+        chunk_loss, chunk_targets = per_part(loss_fn, targets, g)   # as the step (a WeightedMean)
+        losses = jax.vmap(lambda y, t: jnp.asarray(chunk_loss(y, t), loss_dtype()))(
+            _chunks(x, g), _chunks(chunk_targets, g))
         return jnp.mean(losses), new_states
 
     (loss, new_states), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params)

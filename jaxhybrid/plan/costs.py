@@ -383,7 +383,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     saved = stashed_bytes(closed, len(jax.tree.leaves(yf)), traced["kept"])
     # jaxpr inputs: params, float inputs (leaves `fidx`), state, every input leaf.
     n_p, n_s = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
-    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
+    fidx = traced["float_inputs"]
     y_float = [k for k, l in enumerate(jax.tree.leaves(y)) if _is_float(l)]
     io = stashed_io(closed, saved["vars"],
                      [(n_p + j, k) for j, k in enumerate(fidx)]
@@ -430,8 +430,9 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
 
 def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
     """(forward_vjp(params, float inputs, state, input leaves) -> (float outputs, vjp fn),
-    the float inputs, the input leaves, {"kept": indices of the vjp function's leaves
-    that are residuals, not variables} filled when it is traced). Gradients w.r.t.
+    the float inputs, the input leaves, {"float_inputs": their leaf indices, "kept":
+    indices of the vjp function's leaves that are residuals, not variables, filled when
+    it is traced}). Gradients w.r.t.
     params and, if `diff_inputs`, the float inputs."""
     import jax
 
@@ -450,7 +451,7 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
                                  train=train, rng=drop)
         return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
 
-    traced = {}
+    traced = {"float_inputs": fidx}
 
     def forward_vjp(p, xf_, st, leaves):
         yf, vjp_fn, _ = jax.vjp(lambda a, b: f(a, b, st, leaves), p, xf_, has_aux=True)

@@ -31,7 +31,8 @@ import re
 
 from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
-from jaxhybrid.plan.residuals import bytes_by_dtype, dtype_and_bytes, split_backward_bytes
+from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
+                                     stashed_bytes, stashed_io)
 
 
 _FORMAT = "piece-3"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries
@@ -140,7 +141,6 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     stashed values that are its arguments or outputs, as ("in", argument index, bytes)
     or ("out", output index, bytes) (what a neighbour may stash too). None when the
     piece cannot be differentiated alone."""
-    from jaxhybrid.pipeline.backward import Derivation
     p_idx = [n for n in diff if n < num_vars]
     x_idx = [n for n in diff if n >= num_vars]
     rest_idx = [n for n in range(len(avals)) if n not in diff]
@@ -173,20 +173,14 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     # of them, and without them its split was predicted 12% under the compiled step.
     bwd_temp = plan_costs._temp_bytes(plan_costs._compile(
         jax.jit(lambda vf, c: vf(c)).lower(pull, list(ys)), False))
-    n = len(jax.tree.leaves(ys))
-    leaves = [closed.jaxpr.outvars[n + i] for i in traced["kept"]]
-    stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
-    # jaxpr inputs are p, x, rest in order; its first n outputs the float outputs.
-    arg_of = {id(v): n_ for v, n_ in zip(closed.jaxpr.invars, p_idx + x_idx + rest_idx)}
-    out_of = {id(v): float_outs[m] for m, v in enumerate(closed.jaxpr.outvars[:n])}
-    io = []
-    for v in stashed:
-        nbytes = dtype_and_bytes(v.aval)[1]
-        if id(v) in arg_of and arg_of[id(v)] >= num_vars:
-            io.append(("in", arg_of[id(v)], nbytes))
-        elif id(v) in out_of:
-            io.append(("out", out_of[id(v)], nbytes))
+    saved = stashed_bytes(closed, len(jax.tree.leaves(ys)), traced["kept"])
+    # jaxpr inputs are p, x, rest in order (the inputs: argument index >= num_vars); its
+    # first outputs the float outputs.
+    io = stashed_io(closed, saved["vars"],
+                    [(j, n) for j, n in enumerate(p_idx + x_idx + rest_idx) if n >= num_vars],
+                    float_outs)
     split = split_backward_bytes(forward_vjp, args)
-    return {"saved": bytes_by_dtype([v.aval for v in stashed]),
+    return {"saved": saved["by_dtype"],
             "cross": split.get("cross", {}), "weight_saved": split.get("weight_saved", {}),
-            "io": io, "bwd_temp": bwd_temp}
+            "io": [(where, n, rec[1]) for where in ("in", "out") for n, rec in io[where].items()],
+            "bwd_temp": bwd_temp}
