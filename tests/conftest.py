@@ -1,5 +1,6 @@
 """Every test runs on 8 simulated CPU devices (set before jax is imported)."""
 import os
+import tempfile
 
 # Tests compile many small programs once each: skipping LLVM's optimisations compiles
 # them several times faster, and they still run fast enough.
@@ -8,6 +9,10 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The user cache (`jaxhybrid.startup.default_cache_dir`) holds a stored calibration once
+# `scripts/bench.py projection` has run, and planned pipelines price steps with it: a
+# fresh one per run keeps the tests from depending on what this machine ran before.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxhybrid-tests-")
 
 import jax  # noqa: E402
 

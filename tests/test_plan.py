@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxhybrid.plan import LayerCost, MemoryBudgetError, Plan, make_plan
-from jaxhybrid.plan.remat import recompute_time, spmd_memory
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.remat import recompute_time
 from jaxhybrid.schedules import make_schedule
 
 SLOW_LINK = "2x4:intra=300GB/s,inter=12GB/s"   # inter-node link 25x slower

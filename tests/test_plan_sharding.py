@@ -13,7 +13,7 @@ from jaxhybrid.plan import hybrid, largest
 from jaxhybrid.plan.costs import LayerCost, profile
 from jaxhybrid.plan.hardware import Hardware
 from jaxhybrid.plan.model_axis import local_cost, model_comm_time
-from jaxhybrid.plan.remat import spmd_memory
+from jaxhybrid.plan.memory_model import spmd_memory
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
 from jaxhybrid.schedules import make_schedule
 

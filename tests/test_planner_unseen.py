@@ -18,8 +18,9 @@ import pytest
 from jaxhybrid.plan import (LayerCost, MemoryBudgetError, Plan, Topology, choose_remat_spmd,
                             make_plan, map_devices, parse_bytes, partition, spmd_memory,
                             stage_costs)
-from jaxhybrid.plan import remat as remat_module
-from jaxhybrid.plan.remat import memory_terms, recompute_time
+from jaxhybrid.plan import memory_model
+from jaxhybrid.plan.memory_model import memory_terms
+from jaxhybrid.plan.remat import recompute_time
 from jaxhybrid.schedules import SCHEDULES, make_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +193,7 @@ def test_async_schedules_count_their_weight_versions():
         sched = make_schedule(name, 2, 4)
         stash = sched.ring_slots()[1]["stash"]
         want = copies if isinstance(copies, int) else int(copies[0]) + stash
-        assert remat_module.weight_copies(sched) == want
+        assert memory_model.weight_copies(sched) == want
         terms = memory_terms(costs, [3], sched)
         assert terms["versions"] == want * params
         assert spmd_memory(costs, [3], sched)[1] == pytest.approx(sum(terms.values()))

@@ -33,7 +33,7 @@ def bottleneck(costs, cuts, remat):
 def test_memory_model_by_hand():
     import dataclasses
 
-    from jaxhybrid.plan.remat import memory_terms
+    from jaxhybrid.plan.memory_model import memory_terms
     costs = [dataclasses.replace(layer(0, saved=1000, inp=100, params=40), bwd_temp_bytes=30,
                                  state_bytes=16),
              dataclasses.replace(layer(1, saved=3000, inp=200, params=8, out=50), bwd_temp_bytes=70,
@@ -65,11 +65,12 @@ def test_memory_model_by_hand():
 def test_split_backward_cross_ring_by_hand():
     import dataclasses
 
-    from jaxhybrid.plan.remat import memory_terms
+    from jaxhybrid.plan.memory_model import memory_terms
 
-    # The float32 row is stage 1's 2000 B plus the loss's 50. Stage 0's W still reads
-    # 600 B of it: 1450 free for its 300 B of crossing values. Stage 1's W reads 1500:
-    # 550 free for 900 -> 350 B over, into the cross ring.
+    # The float32 row is stage 1's 2000 B plus the loss's 50. Stage 0 is the first: its
+    # input is not differentiated, so its W runs the whole backward, reads all 1000 B it
+    # keeps and gets its 100 B output cotangent: 1050 free. Stage 1's W reads 1500: 550
+    # free for 900 B of crossing values -> 350 B over, into the cross ring.
     costs = [dataclasses.replace(layer(0, saved=1000, inp=100), cross_by_dtype={"float32": 300},
                                  weight_saved_by_dtype={"float32": 600}),
              dataclasses.replace(layer(1, saved=3000, inp=200, out=50),
@@ -82,14 +83,20 @@ def test_split_backward_cross_ring_by_hand():
     terms = memory_terms(costs, [1], zb)
     assert terms["cross"] == slots * 350
     assert sum(terms.values()) == spmd_memory(costs, [1], zb)[1]
-    # No split backward, no cross ring; unknown split values (profiles of old), none.
+    # Whole values: the runtime places each crossing value in one piece, largest first.
+    # Of 500 + 400 B, the 500 fits into the 550 free and the 400 goes to the ring whole.
+    whole = [costs[0], dataclasses.replace(costs[1], cross_values=[["float32", 500],
+                                                                   ["float32", 400]])]
+    assert memory_terms(whole, [1], zb)["cross"] == slots * 400
+    # No split backward, no cross ring; unknown split values (profiles of old): only the
+    # first stage's cotangent, which fits.
     assert memory_terms(costs, [1], make_schedule("1f1b", 2, 4))["cross"] == 0
     plain = [dataclasses.replace(c, cross_by_dtype={}, weight_saved_by_dtype={}) for c in costs]
     assert memory_terms(plain, [1], zb)["cross"] == 0
     # Recomputing layer 1: B runs its forward again and its weight gradient with it, so
-    # it hands W next to nothing; the float32 row shrinks to stage 0's 1000 B, of which
-    # W reads 600: stage 0's 300 B still fit.
-    assert memory_terms(costs, [1], zb, [False, True])["cross"] == 0
+    # it hands W only its parameter gradients (none here); the float32 row shrinks to
+    # stage 0's 1000 B, all read by stage 0's W: its 100 B cotangent goes to the ring.
+    assert memory_terms(costs, [1], zb, [False, True])["cross"] == slots * 100
     # Recomputing layer 0 instead: stage 1 is as before.
     assert memory_terms(costs, [1], zb, [True, False])["cross"] == slots * 350
 

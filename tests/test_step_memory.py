@@ -80,7 +80,7 @@ def test_the_planner_counts_the_training_steps_masks_and_slots():
              for wd in (0.0, 0.01)]
     # One more parameter-sized buffer: a quarter of what the 4 (params, gradients, two
     # moments) already count for the parameters.
-    from jaxhybrid.plan.remat import memory_terms
+    from jaxhybrid.plan.memory_model import memory_terms
     costs = plan_from_config(load_config("gpt_hybrid.py", overrides))[1]
     params = memory_terms(costs, plans[0].boundaries, plans[0].schedule_table(),
                           plans[0].remat)["params"]

@@ -10,7 +10,7 @@ place of the config's, if given), with the planner's boundaries and no recomputa
 (--remat=layers: every layer recomputed in its backward, each under its own
 `jax.checkpoint`, as the planner's recomputation choices run):
 
-  predicted  the planner's memory model of the engine (`plan.remat.memory_terms`, the
+  predicted  the planner's memory model of the engine (`plan.memory_model.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the
              projection use), from the layers' profiled costs at the microbatch run, with
              param_state_factor 4 (Adam: parameters, two moments, gradient accumulator;
@@ -91,7 +91,7 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
     from jaxhybrid import train as jtrain
     from jaxhybrid.models.spec import abstract_variables
     from jaxhybrid.pipeline.api import _profile_cached
-    from jaxhybrid.plan.remat import memory_terms
+    from jaxhybrid.plan.memory_model import memory_terms
 
     spec = models.get_model(config.model.name, config.model.size,
                             **config.model.overrides.to_dict())

@@ -16,8 +16,8 @@ from jaxhybrid.plan.partitioning import (OBJECTIVES, StageCosts, device_grid, ma
                                       partition, stage_costs)
 from jaxhybrid.plan.from_config import plan_from_config
 from jaxhybrid.plan.plan import Plan, make_plan
-from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat_spmd, recompute_time,
-                                  spmd_memory)
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
 from jaxhybrid.plan.topology import (Topology, fmt_bytes, parse_bandwidth, parse_bytes,
                                      parse_time)
 from jaxhybrid.plan.burst import BurstPlan, plan_burst

@@ -64,7 +64,7 @@ import numpy as np
 from jaxhybrid.plan.layer_cost import (COST_FIELDS, LayerCost, cost_arrays, device_peak,  # noqa: F401
                                       layer_times, roofline_time)
 from jaxhybrid.plan.layer_timing import layer_time
-from jaxhybrid.plan.residuals import (shared_with_previous, split_backward_bytes,  # noqa: F401
+from jaxhybrid.plan.residuals import (shared_with_previous, split_backward_bytes, whole_values,  # noqa: F401
                                      stashed_bytes, stashed_io)
 
 PyTree = Any
@@ -146,10 +146,11 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 8   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+COST_FORMAT = 9   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
 #                   5: residuals the backward recomputes cheaply are not counted;
 #                   6: a split backward's crossing values and W's residuals;
-#                   7: float parameters by dtype; 8: residuals shared with the layer before
+#                   7: float parameters by dtype; 8: residuals shared with the layer before;
+#                   9: crossing values and float parameters as whole values
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -399,6 +400,9 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   state_bytes=_nbytes(state), saved_by_dtype=dict(saved.get("by_dtype", {})),
                   cross_by_dtype=split.get("cross", {}),
                   param_by_dtype=float_bytes_by_dtype(params),
+                  cross_values=split.get("cross_values", []),
+                  largest_saved_by_dtype=dict(saved.get("largest", {})),
+                  param_values=whole_values(filter(_is_float, jax.tree.leaves(params))),
                   weight_saved_by_dtype=split.get("weight_saved", {}), stashed_io=io,
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),

@@ -30,7 +30,7 @@ its per-worker batch b, split into M microbatches of m = b / M examples):
                 `include_update=False` leaves it out, e.g. to compare with a measured
                 value_and_grad step).
 
-Memory per device: the planner's SPMD model of the engine (`remat.spmd_memory`: padded
+Memory per device: the planner's SPMD model of the engine (`memory_model.spmd_memory`: padded
 stage buffers, the schedule's stash and inbox slots), with parameter state
 `Hardware.param_state_bytes` per parameter and activations x `bytes_scale`; pipe = 1
 accumulates one microbatch after another (1F1B on one device). Over the usable memory,
@@ -62,7 +62,8 @@ from jaxhybrid.plan.hardware import Hardware
 from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times, pipeline_topology,
                                            replica_offsets)
 from jaxhybrid.plan.model_axis import local_cost
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
@@ -234,7 +235,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         boundaries = partition(fwd + bwd, K, boundary_bytes=out_bytes if topo and v == 1 else None,
                                topology=topo if v == 1 else None)
     cuts = est.boundaries = [int(x) for x in boundaries]
-    # Memory: the planner's SPMD model of the engine (`remat.spmd_memory`) at the
+    # Memory: the planner's SPMD model of the engine (`memory_model.spmd_memory`) at the
     # hardware's bytes (parameter state per parameter, activations x bytes_scale); pipe = 1
     # runs microbatches one after another (gradient accumulation: one in flight, as 1F1B
     # on one device). Over the budget: the planner's recomputation (`choose_remat_spmd`).

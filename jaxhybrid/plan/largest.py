@@ -1,7 +1,7 @@
 """The deepest model of a family that fits a per-device memory budget, by the planner's
 memory model, for each mesh layout (data x pipe x model, ZeRO on or off).
 
-A layout's device bytes are `remat.spmd_memory` of the model on it: the stage split of
+A layout's device bytes are `memory_model.spmd_memory` of the model on it: the stage split of
 `partition` (per-layer times of one device's share), the schedule's slots, the model
 degree (`model=`, what the layers' logical names split over "model") and ZeRO
 (`zero_shards=data`). Optionally the planner's recomputation (`choose_remat_spmd`) may
@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 from jaxhybrid.plan.costs import LayerCost, layer_times
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.partitioning import partition
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, spmd_memory
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd
 from jaxhybrid.plan.topology import parse_bytes
 from jaxhybrid.schedules import make_schedule
 

@@ -79,6 +79,16 @@ class LayerCost:
     # name, bytes]: a stage holding both, neither recomputed, stashes it once ([]: none
     # known; pieces of a split model record it).
     shared_residuals: list = dataclasses.field(default_factory=list)
+    # The crossing values and the float parameters as whole values, [dtype name, bytes]
+    # each, largest first ([]: unknown; the by-dtype bytes then count as divisible): the
+    # runtime places whole values into the row's free space (`packing.place_in_free_space`),
+    # and a 262KB kernel gradient does not fit into two free pieces of 131KB.
+    cross_values: list = dataclasses.field(default_factory=list)
+    param_values: list = dataclasses.field(default_factory=list)
+    # By dtype, the largest stashed residual ({}: unknown). Large residuals get stash
+    # buffers of their own (`packing.shared_layouts`), so a crossing value larger than
+    # the largest residual fits into no dead one.
+    largest_saved_by_dtype: dict = dataclasses.field(default_factory=dict)
 
     def scaled(self, batch_size: int) -> "LayerCost":
         """Costs at another microbatch size: everything per-example scales linearly,
@@ -94,8 +104,9 @@ class LayerCost:
         per_dtype = {f: {k: int(round(v * r)) for k, v in getattr(self, f).items()}
                      for f in BY_DTYPE_FIELDS}
         shared = [[d, t, int(round(n * r))] for d, t, n in self.shared_residuals]
+        cross = [[t, int(round(n * r))] for t, n in self.cross_values]
         return dataclasses.replace(self, batch_size=int(batch_size), **lin, **ints, **per_dtype,
-                                   shared_residuals=shared)
+                                   shared_residuals=shared, cross_values=cross)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,9 +116,11 @@ class LayerCost:
         return cls(**d)
 
 
-BY_DTYPE_FIELDS = ("saved_by_dtype", "cross_by_dtype", "weight_saved_by_dtype")
+BY_DTYPE_FIELDS = ("saved_by_dtype", "cross_by_dtype", "weight_saved_by_dtype",
+                   "largest_saved_by_dtype")
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(LayerCost)
-                    if f.name not in ("name", "param_by_dtype", "shared_residuals", *BY_DTYPE_FIELDS))
+                    if f.name not in ("name", "param_by_dtype", "shared_residuals", "cross_values",
+                                      "param_values", *BY_DTYPE_FIELDS))
 
 
 def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ it from the layer itself (`model_terms`):
 A layer with nothing split over "model" (embeddings of odd vocabularies, convolutions,
 LSTMs) runs replicated inside its model group: all its terms are 0 and T changes
 nothing of it. `local_cost(c, T)` is one device's share of a layer at degree T
-(split parts / T, the rest whole); the memory model (`remat.spmd_memory(model=T)`) and
+(split parts / T, the rest whole); the memory model (`memory_model.spmd_memory(model=T)`) and
 the step-time model (`hybrid`) read layers through it, and `model_comm_time` prices the
 collectives on the model group's links.
 """

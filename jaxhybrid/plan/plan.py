@@ -23,8 +23,8 @@ from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.memory_cuts import cuts_that_fit
-from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat_spmd, recompute_time,
-                                  spmd_memory)
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
 from jaxhybrid.plan.step_model import StepTime, engine_terms, lockstep_time, tick_transfer
 from jaxhybrid.plan.topology import Topology, fmt_bytes, parse_bytes
 from jaxhybrid.schedules import SCHEDULES, Schedule, Task, TaskType, make_schedule
@@ -329,7 +329,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
     re-partitioning until the mapping stops changing), recompute choice when
     `memory_budget` is set, and the resulting predicted times and memory. Memory is the
-    engine's (`remat.spmd_memory`: every device sizes its buffers for the largest stage;
+    engine's (`memory_model.spmd_memory`: every device sizes its buffers for the largest stage;
     the budget bounds `device_memory`). `hardware` (a `Hardware`, e.g.
     `calibration.stored_hardware()`): its engine terms (per-tick cost, compute slots)
     price the predicted step as the projection does; None: layer work and transfers only.

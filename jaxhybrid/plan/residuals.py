@@ -18,18 +18,22 @@ def dtype_and_bytes(aval) -> tuple[str, int]:
 
 
 def stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
-    """{"bytes", "by_dtype", "vars"} of the residuals the engine stashes, from the jaxpr of
+    """{"bytes", "by_dtype", "largest", "vars"} of the residuals the engine stashes, from the jaxpr of
     forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
     indices of its kept (non-variable) leaves: `backward.Derivation` drops those the
-    backward recomputes cheaply from the others, as the pipeline runtime does. "vars":
-    the stashed values' jaxpr variables."""
+    backward recomputes cheaply from the others, as the pipeline runtime does. "largest":
+    by dtype, the largest one's bytes; "vars": the stashed values' jaxpr variables."""
     from jaxhybrid.pipeline.backward import Derivation
 
     out = closed.jaxpr.outvars
     leaves = [out[num_outputs + i] for i in kept]
     stashed = [leaves[i] for i in Derivation.of(closed, leaves).stash]
     by_dtype = bytes_by_dtype([v.aval for v in stashed])
-    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "vars": stashed}
+    largest: dict = {}
+    for d, n in whole_values([v.aval for v in stashed]):
+        largest.setdefault(d, n)
+    return {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "largest": largest,
+            "vars": stashed}
 
 
 def stashed_io(closed, stashed: list, inputs: list, outputs: list) -> dict:
@@ -59,10 +63,11 @@ def shared_with_previous(io_before: dict | None, io: dict) -> list:
 
 
 def split_backward_bytes(forward_vjp, args) -> dict:
-    """{"cross", "weight_saved"}: by dtype, the crossing values of the layer's backward
-    split into B and W as the engine splits a stage's (its stashed residuals from
-    `Residuals` and `Derivation`, `SplitBackward` over them), and the stashed residuals
-    W reads. Traced abstractly. {} when the backward cannot be split (a schedule with
+    """{"cross", "weight_saved", "cross_values"}: by dtype, the crossing values of the
+    layer's backward split into B and W as the engine splits a stage's (its stashed
+    residuals from `Residuals` and `Derivation`, `SplitBackward` over them), and the
+    stashed residuals W reads; the crossing values one by one (`whole_values`). Traced
+    abstractly. {} when the backward cannot be split (a schedule with
     a split backward then fails in the pipeline itself, with its own message)."""
     import jax
 
@@ -84,7 +89,14 @@ def split_backward_bytes(forward_vjp, args) -> dict:
     except Exception:   # noqa: BLE001  (only split schedules' memory estimate is lost)
         return {}
     live = [a for a, w in zip(kept, split.weight_reads_residual) if w]
-    return {"cross": bytes_by_dtype(split.crossing_avals), "weight_saved": bytes_by_dtype(live)}
+    return {"cross": bytes_by_dtype(split.crossing_avals), "weight_saved": bytes_by_dtype(live),
+            "cross_values": whole_values(split.crossing_avals)}
+
+
+def whole_values(avals) -> list:
+    """[[dtype name, bytes], ...] of each value, largest first (`LayerCost.cross_values`,
+    `param_values`)."""
+    return sorted((list(dtype_and_bytes(a)) for a in avals), key=lambda v: -v[1])
 
 
 def bytes_by_dtype(avals) -> dict:

@@ -32,10 +32,11 @@ import re
 from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
-                                     stashed_bytes, stashed_io)
+                                     stashed_bytes, stashed_io, whole_values)
 
 
-_FORMAT = "piece-3"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries
+_FORMAT = "piece-4"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries,
+#                       4 crossing values one by one
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -99,7 +100,8 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         if res is None:   # not traceable alone: every float value it makes, an upper bound
             made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
             res = {"saved": bytes_by_dtype([prog.avals[o] for o in made]),
-                   "cross": {}, "weight_saved": {}, "io": [], "bwd_temp": 0}
+                   "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {}, "io": [],
+                   "bwd_temp": 0}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
         io = {(args[n] if where == "in" else outs[n]): nbytes for where, n, nbytes in res["io"]}
@@ -123,7 +125,11 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             fwd_time=roofline_time(f_flops, f_bytes, peak_flops, bandwidth),
             bwd_time=roofline_time(b_flops, b_bytes, peak_flops, bandwidth),
             measured=False, state_bytes=nb(state),
-            param_by_dtype=plan_costs.float_bytes_by_dtype([prog.avals[i] for i in params])))
+            param_by_dtype=plan_costs.float_bytes_by_dtype([prog.avals[i] for i in params]),
+            cross_values=[list(v) for v in res["cross_values"]],
+            largest_saved_by_dtype=dict(res["largest"]),
+            param_values=whole_values(prog.avals[i] for i in params
+                                      if _is_float(prog.avals[i]))))
     return out
 
 
@@ -161,7 +167,8 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
         return ys, pull
 
     args = ([avals[n] for n in p_idx], [avals[n] for n in x_idx], [avals[n] for n in rest_idx])
-    empty = {"saved": {}, "cross": {}, "weight_saved": {}, "io": [], "bwd_temp": 0}
+    empty = {"saved": {}, "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {},
+             "io": [], "bwd_temp": 0}
     if not float_outs:
         return empty
     try:
@@ -180,7 +187,8 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
                     [(j, n) for j, n in enumerate(p_idx + x_idx + rest_idx) if n >= num_vars],
                     float_outs)
     split = split_backward_bytes(forward_vjp, args)
-    return {"saved": saved["by_dtype"],
+    return {"saved": saved["by_dtype"], "largest": saved["largest"],
             "cross": split.get("cross", {}), "weight_saved": split.get("weight_saved", {}),
+            "cross_values": split.get("cross_values", []),
             "io": [(where, n, rec[1]) for where in ("in", "out") for n, rec in io[where].items()],
             "bwd_temp": bwd_temp}
