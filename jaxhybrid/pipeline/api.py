@@ -1,6 +1,7 @@
 """`Pipeline`: heterogeneous Flax layers as pipeline stages on a ("data", "pipe") mesh."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -20,7 +21,7 @@ from jaxhybrid.pipeline import (async_weights, layouts, optimizer_checks, packin
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
                                          check_state_order, checked_mesh, checked_schedule,
                                          checked_layers, checked_zero, on_every_process,
-                                         one_microbatch,
+                                         one_microbatch, outside_context_mesh,
                                          rng_hint, TRAIN_STEP_CALL)
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
@@ -88,6 +89,7 @@ class Pipeline(PipelineVariables):
         self.model = int(dict(mesh.shape).get(MODEL, 1))
         self.stage_spec = P((PIPE, MODEL)) if MODEL in mesh.axis_names else P(PIPE)
         self._split_dims = None   # per layer: {collection: tree of the dim split over "model"}
+        self._degree_checked = False   # `degree_check` ran on the first packed values
         if self.model > 1 and self.splitter is not None:
             raise ValueError("Pipeline: a mesh with model > 1 needs a list of layers (the "
                              "tensor-parallel layouts come from each layer's init).")
@@ -495,8 +497,10 @@ class Pipeline(PipelineVariables):
                                  out_specs=P(DATA), check_vma=False)(
                 params, state, inputs, rng_arg)
 
+    @contextlib.contextmanager
     def _fit_hint(self):
-        return call_hint(self._sample)
+        with outside_context_mesh(), call_hint(self._sample):
+            yield
 
 
 _PROFILE_CACHE: dict = {}

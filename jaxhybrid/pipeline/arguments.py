@@ -173,6 +173,26 @@ def rng_hint(call: str, train: bool = True):
 
 
 @contextlib.contextmanager
+def outside_context_mesh():
+    """Runs a pipeline call with no context mesh. The pipeline places every value on
+    its own mesh; a stage traced under a user's `jax.set_mesh(mesh)` (Auto axes) and
+    replayed in the step's shard_map (Manual axes) failed with "context mesh ... should
+    match the aval mesh". Inside a user's jit the mesh cannot be unset: refused there,
+    with the fix."""
+    if jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    try:
+        unset = jax.set_mesh(None)
+    except ValueError as e:   # "`set_mesh` can only be used outside of `jax.jit`"
+        raise ValueError("Pipeline: called inside jax.jit under jax.set_mesh(mesh); call the "
+                         "pipeline's step outside that jit (it is jitted already) or outside "
+                         "the set_mesh block.") from e
+    with unset:
+        yield
+
+
+@contextlib.contextmanager
 def call_hint(sample):
     """The errors of a pipeline call whose messages name a symptom, said with the cause:
     flax's parameter shape errors name a module's initializer (the inputs are shaped

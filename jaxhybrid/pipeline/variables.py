@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 
 from jaxhybrid import tensor_parallel
 from jaxhybrid.layers import init_layer
-from jaxhybrid.pipeline import model_shards, packing
-from jaxhybrid.pipeline.arguments import same_pipeline_everywhere
+from jaxhybrid.pipeline import degree_check, model_shards, packing
+from jaxhybrid.pipeline.arguments import outside_context_mesh, same_pipeline_everywhere
 
 PyTree = Any
 
@@ -26,6 +26,10 @@ class PipelineVariables:
         """Initialises every layer (in order, on the first example of `sample_inputs`) and
         returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
         (buffer keys: see `jaxhybrid.pipeline.packing`)."""
+        with outside_context_mesh():
+            return self._init(rng, sample_inputs)
+
+    def _init(self, rng: jax.Array, sample_inputs: PyTree) -> dict:
         self.make_plan(sample_inputs)
         if self.splitter is not None:
             return self.pack(self.splitter.init_variables(rng, sample_inputs))
@@ -135,6 +139,13 @@ class PipelineVariables:
             self._check_like_layout(abstract)
         self._set_layer_vars(abstract)
         same_pipeline_everywhere(self, "pack")
+        if self.model > 1 and not self._degree_checked and self.splitter is None:
+            # Once per pipeline, on the first values: a layer that computes another
+            # function on its shard would train another model silently.
+            degree_check.check_layers(
+                self.layers, per_layer, self._split_dims, self._sample, self.model,
+                [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
+            self._degree_checked = True
         sharding = NamedSharding(self.mesh, self.stage_spec)
         out = {}
         for c in ["params", *self.state_collections]:

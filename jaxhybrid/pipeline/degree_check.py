@@ -1,0 +1,146 @@
+"""Tensor-parallel layers checked against themselves at model degree 1 before training.
+
+The pipeline splits a variable that a layer builds at 1 / T of one dimension into T
+contiguous blocks (`model_shards`), and what is split is learnt from shapes alone. A
+layer can be built with the right shapes and still compute another function on its
+shard: a fused qkv kernel laid out [q | k | v] (shard 0 gets all of q and part of k and
+reads them as its own q, k, v), a LayerNorm over split features (it normalises over a
+slice), a bias added before the row-parallel sum (added T times). The step then trains
+another model, silently, and a checkpoint moved to another model degree means yet
+another one. So on the first `pack` each layer that holds a split variable or gets a
+split input runs once on a couple of examples at degree T, in a shard_map over "model",
+on its degree-1 input and variables cut as the pipeline cuts them, and its output is
+compared with the layer at degree 1 (evaluation mode: no dropout, running averages).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid import tensor_parallel
+from jaxhybrid.layers import apply_layer
+from jaxhybrid.pipeline import model_shards
+
+PyTree = Any
+EXAMPLES = 2
+
+
+def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dict],
+                 sample: PyTree, model: int, devices: Sequence) -> None:
+    """Raises ValueError naming the first layer whose output, or gradients (of its
+    parameters and float inputs, for one fixed output cotangent), at degree `model`
+    differ from the layer's at degree 1. `dims[i]`: layer i's {collection: tree of the
+    dim split over "model"}; `sample`: inputs of the first layer (a few examples are
+    used); `devices`: at least `model` local devices (else nothing is checked)."""
+    if model < 2 or len(devices) < model:
+        return
+    mesh = Mesh(np.array(devices[:model]), (tensor_parallel.MODEL,))
+    x = jax.tree.map(lambda a: np.asarray(a)[:EXAMPLES], sample)
+    in_dims = jax.tree.map(lambda _: -1, x)
+    for i, (layer, v) in enumerate(zip(layers, per_layer)):
+        try:
+            y = jax.tree.map(np.asarray, apply_layer(layer, v, x, train=False)[0])
+        except flax.errors.InvalidRngError:   # draws in evaluation too: not comparable
+            return
+        split = [d for c in v for d in jax.tree.leaves(dims[i].get(c) or {})]
+        if not any(d >= 0 for d in [*split, *jax.tree.leaves(in_dims)]):
+            x = y
+            continue
+        ct = jax.tree.map(lambda a: np.random.default_rng(i).normal(size=np.shape(a)).astype(
+            a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else None, y)
+        grads = _differentiable(x, y) and _pull(layer, v, x, ct)
+        got = _at_degree(layer, v, dims[i], x, in_dims, ct, bool(grads), model, mesh)
+        out_dims = jax.tree.map(_split_dim, y, jax.tree.map(lambda a: a[0], got[0]))
+        want = [y]
+        dims_of = [out_dims]
+        if grads:
+            want += list(grads)
+            dims_of += [dims[i].get("params") or jax.tree.map(lambda _: -1, grads[0]), in_dims]
+        for what, w_tree, d_tree, g_tree in zip(("outputs", "parameter gradients",
+                                                  "input gradients"), want, dims_of, got):
+            for j in range(model):
+                _compare(i, layer, what, jax.tree.map(lambda a: a[j], g_tree),
+                         jax.tree.map(lambda a, d: _block(a, d, model, j), w_tree, d_tree), model)
+        x, in_dims = y, out_dims
+
+
+def _differentiable(x, y) -> bool:
+    """Gradients are compared where every input and output leaf is floating."""
+    return all(jnp.issubdtype(np.asarray(a).dtype, jnp.floating)
+               for a in jax.tree.leaves((x, y)))
+
+
+def _pull(layer, v, x, ct):
+    """(parameter gradients, input gradients) of the layer at x for output cotangent ct."""
+    f = lambda p, xx: apply_layer(layer, {**v, "params": p}, xx, train=False)[0]
+    _, pull = jax.vjp(f, v.get("params", {}), x)
+    return jax.tree.map(np.asarray, pull(ct))
+
+
+def _at_degree(layer, v, dims: dict, x, in_dims, ct, grads: bool, model: int, mesh: Mesh):
+    """On every model shard (stacked: [model, ...] per leaf) the layer's output and, with
+    `grads`, its parameter and input gradients for the shard's part of `ct`."""
+    shards = [{c: model_shards.shard(tree, dims.get(c), model, j, type(layer).__name__)
+               for c, tree in v.items()} for j in range(model)]
+    xs = [jax.tree.map(lambda a, d: _block(a, d, model, j), x, in_dims) for j in range(model)]
+    stack = lambda trees: jax.tree.map(lambda *a: np.stack(a), *trees)
+    with tensor_parallel.degree(model):   # the shapes of a shard's output
+        y_t = tensor_parallel.eval_shape(lambda v, x: apply_layer(layer, v, x, train=False)[0],
+                                         shards[0], xs[0])
+    cts = [jax.tree.map(lambda a, s: _block(a, _split_dim(a, s), model, j), ct, y_t)
+           for j in range(model)] if grads else [0] * model
+
+    def body(v, x, ct):
+        v, x, ct = jax.tree.map(lambda a: a[0], (v, x, ct))
+        with tensor_parallel.degree(model):
+            f = lambda p, xx: apply_layer(layer, {**v, "params": p}, xx, train=False)[0]
+            y, pull = jax.vjp(f, v.get("params", {}), x)
+            out = (y, *pull(ct)) if grads else (y,)
+        return jax.tree.map(lambda a: a[None], out)
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(tensor_parallel.MODEL),
+                                out_specs=P(tensor_parallel.MODEL), check_vma=False))
+    with jax.threefry_partitionable(False):
+        return jax.tree.map(np.asarray, run(stack(shards), stack(xs), stack(cts)))
+
+
+def _split_dim(whole, part) -> int:
+    """The dimension a shard's output is split along (-1: whole)."""
+    diff = [k for k, (a, b) in enumerate(zip(np.shape(whole), np.shape(part))) if a != b]
+    return diff[0] if diff else -1
+
+
+def _block(a, dim: int, model: int, j: int):
+    return a if dim < 0 else np.split(np.asarray(a), model, axis=dim)[j]
+
+
+def _compare(i: int, layer, what: str, got, want, model: int) -> None:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if not jnp.issubdtype(w.dtype, jnp.floating) or not w.size:
+            continue
+        # Rounding differs with the summation order: float32 ~1e-6, bfloat16 ~1e-2.
+        tol = (1e-4 if jnp.finfo(w.dtype).bits >= 32 else 2e-2) * max(1.0, float(np.max(
+            np.abs(np.asarray(w, np.float64)))))
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            raise ValueError(f"Pipeline: layer {i} ({type(layer).__name__}) gives outputs of "
+                             f"shape {g.shape} on a model shard where its degree-1 output's "
+                             f"block is {w.shape}; split outputs in equal blocks.")
+        err = float(np.max(np.abs(g - w)))
+        if not err <= tol:
+            raise ValueError(
+                f"Pipeline: layer {i} ({type(layer).__name__}) computes another function at "
+                f"model={model} than at model=1 ({what} differ by up to {err:.3g} on the "
+                f"sample); the pipeline cuts each split dimension into {model} contiguous "
+                f"blocks, so lay fused dimensions out shard-major (q, k, v as (heads, 3, "
+                f"head_dim) or nn.DenseGeneral(features=(3, heads, head_dim)), not [q | k | "
+                f"v]), normalise only over whole features, add a row-parallel bias after "
+                f"reduce_from_model and pass a whole parameter used on split features "
+                f"through copy_to_model (docs/pipeline.md, 'Rules a tensor-parallel layer must "
+                f"keep').")
