@@ -107,7 +107,29 @@ def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
         num_processes=resolved.num_processes, process_id=resolved.process_id,
         initialization_timeout=resolved.initialization_timeout,
         heartbeat_timeout_seconds=resolved.heartbeat_timeout)
+    exit_on_uncaught_error()
     return True
+
+
+def exit_on_uncaught_error(_exit=os._exit) -> None:
+    """After an uncaught exception's traceback, the process exits (status 1) at once.
+    Left to Python, the interpreter's exit ran jax.distributed's shutdown barrier, which
+    waits for the other processes, themselves waiting in a step's collective for this
+    one: all hung for the barrier's 5 minutes, and `launch_local.py` (which stops the
+    others once one exits) never saw a failure."""
+    import sys
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        import jax
+        print(f"distributed: process {jax.process_index()} stops on this error; the others "
+              f"stop when their launcher does or after --heartbeat_timeout",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        _exit(1)
+
+    sys.excepthook = hook
 
 
 def is_main_process() -> bool:

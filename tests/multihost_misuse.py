@@ -1,7 +1,7 @@
 """What a researcher's own multi-process script may get wrong with the pipeline API
 (tests/test_multihost_misuse.py starts it on 2 processes x 4 devices with
 scripts/launch_local.py --script): each process passing its own rows, or other numbers, as
-numpy; a process building its pipeline with other cuts. Prints one JSON line per case
+numpy; a process building its pipeline with other cuts, or initialising with its own key. Prints one JSON line per case
 on process 0: {"case": name, "loss": float} or {"case": name, "error": first line}."""
 import json
 
@@ -46,6 +46,8 @@ def main():
     other = jp.Pipeline(layers, mesh=mesh, num_microbatches=4,
                         boundaries=(1, 2, 3) if me == 0 else (2, 3, 4))
     report("other cuts", lambda: other.init(jax.random.key(0), x[:2]) and 0.0)
+    fresh = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, boundaries=(1, 2, 3))
+    report("another init key", lambda: fresh.init(jax.random.key(me), x[:2]) and 0.0)
 
 
 if __name__ == "__main__":

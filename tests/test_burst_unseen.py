@@ -204,6 +204,32 @@ def test_train_steps_keep_device_zero_equal_to_the_reference_update():
     assert _err(jax.tree.map(lambda a: a[5], ts["params"][1]), v[1]["params"]) == 0.0
 
 
+def test_a_state_trained_under_other_widths_is_made_current():
+    """A new plan (other batch, other hardware) on a trained state: devices outside a
+    layer's old width kept stale copies (parameters, momentum, batch statistics), and a
+    wider layer ran on them, with wrong loss and gradients and no error (a probe:
+    1.4267 against the reference's 1.3618). A widening step now starts from device 0's
+    copies, as replicate(first_copy(state)) does; a narrowing one needs nothing."""
+    mesh = make_mesh(data=8)
+    x, y, v = _data(16)
+    opt = optax.sgd(0.05, momentum=0.9)
+    narrow = burst.BurstProgram(LAYERS, xent, (8, 1, 2, 1, 4), mesh, 16)
+    wide = burst.BurstProgram(LAYERS, xent, (8, 8, 8, 2, 8), mesh, 16)
+    ts = burst.init_train_state(opt, v, mesh)
+    for step in range(2):
+        _, ts = burst.train_step(narrow, opt, ts, x, y, jax.random.key(step))
+    fresh = burst.replicate(burst.first_copy(dict(ts)), mesh)
+    key = jax.random.key(5)
+    loss, new = burst.train_step(wide, opt, ts, x, y, key)
+    want_loss, want = burst.train_step(wide, opt, fresh, x, y, key)
+    assert float(loss) == float(want_loss)
+    assert _err(dict(new), dict(want)) == 0.0
+    assert ts.widths == narrow.widths and new.widths == wide.widths
+    # Narrower than what the state is current for: the copies are used as they are.
+    _, again = burst.train_step(narrow, opt, new, x, y, key)
+    assert again.widths == narrow.widths
+
+
 # --- multiplexing -------------------------------------------------------------------------------
 class BgIn(nn.Module):
     @nn.compact

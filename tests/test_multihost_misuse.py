@@ -25,7 +25,7 @@ def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     got = {r["case"]: r for r in (json.loads(l.split("RESULT ", 1)[1])
                                    for l in out.splitlines() if "RESULT " in l)}
-    assert len(got) == 5, out[-4000:]
+    assert len(got) == 6, out[-4000:]
     assert got["the same numpy batch"]["loss"] == got["placed rows"]["loss"]
     for case in ("own rows as numpy", "other numbers"):
         assert got[case]["error"].startswith(
@@ -34,6 +34,9 @@ def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
     assert got["other cuts"]["error"].startswith(
         "process 1 built its Pipeline or called pack with boundaries=[2, 3, 4] but process 0 "
         "with [1, 2, 3]"), got["other cuts"]
+    # jax's own assertion printed pages of numbers and no cause.
+    assert got["another init key"]["error"].startswith(
+        "Pipeline.pack: the variables differ between processes"), got["another init key"]
 
 
 def test_a_flag_error_on_one_process_stops_every_process_at_once(tmp_path):
@@ -60,3 +63,21 @@ def test_a_flag_error_on_one_process_stops_every_process_at_once(tmp_path):
     assert f"error: process 1: {flag}" in outs[0], outs[0][-3000:]
     assert f"error: {flag}" in outs[1], outs[1][-3000:]
     assert waited < 60, f"the processes took {waited:.0f} s to stop"   # 121 s before
+
+
+def test_an_error_on_one_process_stops_every_process_soon():
+    # Process 1 raises between steps; process 0 waits in the next step's collective.
+    # Process 1 hung at exit in jax.distributed's shutdown barrier, so the launcher saw
+    # no failure and both died after the barrier's 5 minutes. It now exits at once,
+    # and the launcher stops process 0 after its grace period.
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=5",
+           f"--script={ROOT / 'tests' / 'multihost_raise.py'}"]
+    started = time.monotonic()
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    waited, out = time.monotonic() - started, run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "RuntimeError: a bug in process 1's own code" in out, out[-3000:]
+    assert "distributed: process 1 stops on this error" in out, out[-3000:]
+    assert waited < 90, f"the processes took {waited:.0f} s to stop"

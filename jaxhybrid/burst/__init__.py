@@ -6,9 +6,11 @@ background job multiplexed into the idle device time. See docs/burst.md.
     loss, grads, new_vars = burst.value_and_grad(prog, burst.replicate(variables, mesh),
                                                  inputs, targets, rng)
 """
-from jaxhybrid.burst.executor import (BurstProgram, data_parallel_widths, first_copy,
-                                      init_train_state, replicate, train_step, value_and_grad)
+from jaxhybrid.burst.executor import (BurstProgram, TrainState, data_parallel_widths,
+                                      first_copy, init_train_state, replicate, train_step,
+                                      value_and_grad)
 from jaxhybrid.burst.reference import reference_value_and_grad
 
-__all__ = ["BurstProgram", "value_and_grad", "train_step", "init_train_state", "replicate",
+__all__ = ["BurstProgram", "TrainState", "value_and_grad", "train_step", "init_train_state",
+           "replicate",
            "first_copy", "data_parallel_widths", "reference_value_and_grad"]

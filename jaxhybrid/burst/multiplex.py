@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.burst.executor import (BurstProgram, _squeeze, _stack, apply_update,
-                                      check_batch, check_stacked,
-                                      explicit_value_and_grad, shard, weighed)
+from jaxhybrid.burst.executor import (BurstProgram, TrainState, _squeeze, _stack,
+                                      apply_update, check_batch, check_stacked,
+                                      current_for, explicit_value_and_grad, shard, weighed)
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA
 
@@ -236,14 +236,23 @@ def _bg_key(rng):
     return jax.random.fold_in(rng, jax.lax.axis_index(DATA))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
 def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets, bg_inputs,
                      bg_targets, fg_rng, bg_rng):
     """One foreground burst train step with the background step in its idle branches.
     States are stacked per device (`init_train_state`); bg_inputs/targets [G, b, ...]
     (device d's instance takes row d). Device d's background draws from
     fold_in(bg_rng, d). Returns (fg loss, new fg state, bg losses [G] (0 where a device
-    ran none), new bg state)."""
+    ran none), new bg state). A foreground state trained under other widths is made
+    current first (`executor.current_for`)."""
+    loss, fg, bg_losses, bg = _multiplexed_step(
+        mux, current_for(mux.fg, fg_state), bg_state, fg_inputs, fg_targets, bg_inputs,
+        bg_targets, fg_rng, bg_rng)
+    return loss, TrainState(fg, mux.fg.widths), bg_losses, bg
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets, bg_inputs,
+                      bg_targets, fg_rng, bg_rng):
     prog = mux.fg
     slots = mux.slots
     tasks_at = {s: [t for t in range(slots.shape[1]) if (slots[:, t] == s).any()]
@@ -286,7 +295,8 @@ def background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
     runs = jnp.asarray(mux.runs_background)
 
     def body(bts, bx, bt, brng):
-        bts, bx, bt = _squeeze(bts), _squeeze(bx), _squeeze(bt)
+        # A plain dict: the cond's branches return the state as the step makes it.
+        bts, bx, bt = dict(_squeeze(bts)), _squeeze(bx), _squeeze(bt)
         d = jax.lax.axis_index(DATA)
         key = _bg_key(brng)
         loss, new = jax.lax.cond(

@@ -155,7 +155,7 @@ class PipelineVariables:
                                        [self._model_shard(i, c, per_layer[i].get(c, {}), j)
                                         for i in layers], lengths)
                     for d, layers in enumerate(self.device_layers) for j in range(self.model)]
-            out[c] = {k: jax.device_put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
+            out[c] = {k: _put(np.stack([r[k] for r in rows]), sharding) for k in lengths}
         return out
 
     def set_layer_shapes(self, per_layer: Sequence[dict]) -> None:
@@ -252,3 +252,17 @@ def _init_in_order(layers, rng, x) -> list[dict]:
         variables, x = init_layer(layer, jax.random.fold_in(rng, i), x, train=False)
         per_layer.append(variables)
     return per_layer
+
+
+def _put(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """device_put of packed host values; on several processes they must be the same
+    everywhere (jax asserts it, with pages of numbers and no cause)."""
+    try:
+        return jax.device_put(value, sharding)
+    except AssertionError as e:
+        if "not the same on each process" not in str(e):
+            raise
+        raise ValueError(f"Pipeline.pack: the variables differ between processes (process "
+                         f"{jax.process_index()}'s are not process 0's): initialise with the "
+                         f"same key on every process (pipe.init(jax.random.key(seed), ...) "
+                         f"with one seed), or restore one checkpoint everywhere.") from None
