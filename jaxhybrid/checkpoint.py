@@ -56,6 +56,7 @@ from jaxhybrid.checkpoint_meta import (checksum_difference, checksums, differenc
                                        leaf_shapes, schedule_note, shapes, updates_difference)
 from jaxhybrid.mesh import DATA, PIPE
 from jaxhybrid.pipeline import model_shards, packing
+from jaxhybrid.pipeline.arguments import outside_context_mesh
 from jaxhybrid.splitter.pipeline_hooks import (from_model_entries, holds_model_tree,
                                                to_model_entries)
 
@@ -352,6 +353,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    @outside_context_mesh()   # under a user's jax.set_mesh, restore's sums failed
     def save(self, step: int, pipe, state: dict, meta: dict) -> None:
         """Saves `state` (per layer; each process writes the shards on its devices) and
         JSON-able `meta` as step `step`. Every process calls this. Asynchronous: the
@@ -396,6 +398,7 @@ class Checkpointer:
                     meta.get("layout"))
         return leaf_shapes(self._manager.item_metadata(step)["state"]), None
 
+    @outside_context_mesh()
     def restore(self, pipe, template: dict, step: int | None = None) -> tuple[dict, dict]:
         """(train state packed for `pipe`, meta) of `step` (default: the latest).
         A checkpoint from another model or optimizer -> CheckpointMismatch naming the

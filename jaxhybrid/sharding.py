@@ -122,7 +122,7 @@ def variable_split_dims(layer: nn.Module, x: Any, *, train: bool = False,
     dims = model_split_dims(boxed)
     split_input = at is not None and _avals(at[1]) != _avals(x)
     if asked or split_input or any(d >= 0 for d in jax.tree.leaves(dims)):
-        dims = _local_dims(layer, x, train, boxed, dims, at, bool(asked))
+        dims = _local_dims(layer, x, train, boxed, dims, at)
     return boxed, dims
 
 
@@ -139,14 +139,14 @@ def _abstract_init(layer: nn.Module, x: Any, train: bool) -> Any:
 
 
 def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any,
-                at: tuple[int, Any] | None, joins: bool = True) -> Any:
+                at: tuple[int, Any] | None) -> Any:
     """Per leaf of `variables` (some of the layer's collections), the dimension `layer`
     builds at 1 / t of its width when traced at model degree t (`at`'s on its input, else
     the smallest divisor t > 1 of its widths that the layer accepts, on x), -1 for a leaf
     built whole; `dims` (from the names) when no degree fits, for `model_shards.shard`
-    to name the divisors. `joins`: the layer calls `jaxhybrid.tensor_parallel`; one
-    that does not but builds other shapes at degree t was given a split input it would
-    use without joining its model group (a wrong sum), which is refused."""
+    to name the divisors. A layer that builds split parameters from a split input
+    without joining its model group may be right (a per-feature scale, a BatchNorm) or
+    wrong (a Dense whose partial sums nobody adds): `pipeline.degree_check` runs it."""
     from jaxhybrid import tensor_parallel
     params = nn.meta.unbox(variables)
     full = jax.tree.leaves(params)
@@ -170,13 +170,6 @@ def _local_dims(layer: nn.Module, x: Any, train: bool, variables: Any, dims: Any
                  jax.tree_util.tree_flatten_with_path(params)[0]]
         out = [_split_dim(a.shape, b.shape, t, f"{name}{path}")
                for a, b, path in zip(full, jax.tree.leaves(local), paths)]
-        if not joins and any(d >= 0 for d in out):
-            raise ValueError(f"tensor parallel: {name} gets an input split over 'model' (from "
-                             f"a column-parallel layer before it) but joins no collective, so "
-                             f"its model shards would compute on slices and never be summed; "
-                             f"gather its input first (jaxhybrid.tensor_parallel."
-                             f"gather_from_model) or write it as a row-parallel layer "
-                             f"(reduce_from_model).")
         return jax.tree.unflatten(jax.tree.structure(dims), out)
     return dims
 

@@ -199,7 +199,8 @@ def test_column_and_row_parallel_layers_split_across_a_stage_boundary():
 def test_a_plain_layer_fed_a_split_activation_is_refused():
     """An ordinary Flax Dense (annotated "mlp" for GSPMD, no collective) right after
     ColumnParallel would get half the features on each model shard; split along its
-    input it used to run on slices whose partial sums nobody added."""
+    input it used to run on slices whose partial sums nobody added. (Refused by the
+    degree check: a rule on shapes alone refused correct per-feature layers too.)"""
     class GspmdDense(nn.Module):
         @nn.compact
         def __call__(self, h):
@@ -208,13 +209,13 @@ def test_a_plain_layer_fed_a_split_activation_is_refused():
     pipe = jp.Pipeline([Embed(), ColumnParallel(), GspmdDense(), GatheredHead()],
                        mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
                        boundaries=[2], remat="none")
-    with pytest.raises(ValueError, match="GspmdDense gets an input split over 'model' .* "
-                                         "gather its input first"):
+    with pytest.raises(ValueError, match=r"layer 2 \(GspmdDense\) computes another function "
+                                         r".* gather a split input"):
         pipe.init(jax.random.key(0), batch(2, 0)[0])
     plain = jp.Pipeline([Embed(), ColumnParallel(), nn.Dense(WIDTH), GatheredHead()],
                         mesh=jh.make_mesh(data=2, pipe=2, model=2), num_microbatches=2,
                         boundaries=[2], remat="none")   # no names at all: the same
-    with pytest.raises(ValueError, match="Dense gets an input split over 'model'"):
+    with pytest.raises(ValueError, match=r"layer 2 \(Dense\) computes another function"):
         plain.init(jax.random.key(0), batch(2, 0)[0])
 
 
@@ -327,3 +328,34 @@ def test_the_shard_major_and_copied_forms_train_as_one_device(layer):
     for g, w in zip(jax.tree.leaves([l["params"] for l in pipe.unpack({**v, "params": grads})]),
                     jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+class FeatureScale(nn.Module):
+    """A per-feature scale: correct on a split activation without any collective."""
+    @nn.compact
+    def __call__(self, h):
+        return h * self.param("s", nn.initializers.normal(1.0), (h.shape[-1],))
+
+
+class HalfPrecisionMLP(nn.Module):
+    """float32 parameters and residual stream, bfloat16 matmuls (Flax mixed precision)."""
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), dtype=jnp.bfloat16,
+                     kernel_init=LP(INIT, ("embed", "mlp")))(tp.copy_to_model(x))
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h).astype(jnp.bfloat16) @ down.astype(
+            jnp.bfloat16)).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("layers", [
+    [Embed(), ColumnParallel(), FeatureScale(), RowParallel(), Head()],
+    [Embed(), HalfPrecisionMLP(), Head()],
+], ids=["per-feature layer on a split activation", "bfloat16 matmuls"])
+def test_correct_layers_are_not_refused(layers):
+    # A probe's correct models that were refused: a per-feature layer between column-
+    # and row-parallel layers (by a rule on shapes alone: "joins no collective"), and
+    # bfloat16 rounding judged at float32's tolerance (the output's dtype).
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2, model=2), num_microbatches=2,
+                       boundaries=[1])
+    pipe.init(jax.random.key(0), jax.random.randint(RNG, (8, 6), 0, VOCAB))

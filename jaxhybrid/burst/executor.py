@@ -377,34 +377,44 @@ def apply_update(optimizer, params, opt_state, grads):
 class TrainState(dict):
     """A burst train state, {"params", "states", "opt_state"} stacked per device, and the
     per-layer widths its copies are current for: device d's copy of layer l is current
-    iff d < widths[l] (None: every copy is). The widths travel in the tree's structure,
-    so reading them costs no device round trip."""
+    iff d < widths[l] (None: unknown, e.g. a plain dict, a copy or a restored
+    checkpoint). The widths travel in the tree's structure, so reading them costs no
+    device round trip; checkpoints do not keep them."""
 
     def __init__(self, tree=(), widths=None):
         super().__init__(tree)
         self.widths = None if widths is None else tuple(widths)
 
 
-jax.tree_util.register_pytree_node(
-    TrainState, lambda s: (tuple(s[k] for k in sorted(s)), (tuple(sorted(s)), s.widths)),
-    lambda aux, children: TrainState(zip(aux[0], children), aux[1]))
+jax.tree_util.register_pytree_with_keys(   # keys: orbax saves "params", not "1"
+    TrainState,
+    lambda s: (tuple((jax.tree_util.DictKey(k), s[k]) for k in sorted(s)),
+               (tuple(sorted(s)), s.widths)),
+    lambda aux, children: TrainState(zip(aux[0], children), aux[1]),
+    flatten_func=lambda s: (tuple(s[k] for k in sorted(s)), (tuple(sorted(s)), s.widths)))
 
 
 def current_for(program: BurstProgram, train_state):
     """`train_state` with every copy the program's layers run on current. Devices outside
     a layer's width skip it and keep stale copies, so a state trained under other widths
     (a new `plan_burst`) gave a wider layer stale parameters, optimizer state and batch
-    statistics, and wrong gradients, silently; when a layer widens, device 0's copy (it
-    runs every layer: the model) goes to every device first."""
+    statistics, and wrong gradients, silently; when a layer widens, or the widths are
+    unknown (a restored checkpoint, a dict copy), device 0's copy (it runs every layer:
+    the model) goes to every device first."""
     widths = getattr(train_state, "widths", None)
-    if widths is not None and any(g > w for g, w in zip(program.widths, widths)):
-        return TrainState(replicate(first_copy(dict(train_state)), program.mesh))
+    if (any(g > 1 for g in program.widths) if widths is None
+            else any(g > w for g, w in zip(program.widths, widths))):
+        G = program.num_devices
+        return TrainState(replicate(first_copy(dict(train_state)), program.mesh),
+                          (G,) * len(program.widths))
     return train_state
 
 
 def init_train_state(optimizer, variables: Sequence[dict], mesh: Mesh) -> TrainState:
     """{"params", "states", "opt_state"} stacked per device of the data axis."""
     params, states = split_variables(variables)
+    # Widths unknown, not "all current": a state restored into this one as orbax's
+    # target keeps its structure, and with it what it says of its copies.
     return TrainState(replicate({"params": params, "states": states,
                                  "opt_state": optimizer.init(params)}, mesh))
 
@@ -412,6 +422,7 @@ def init_train_state(optimizer, variables: Sequence[dict], mesh: Mesh) -> TrainS
 def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, rng):
     """One burst step plus the optimizer update on every device's copy. Returns
     (loss, new train state: current for the program's widths)."""
+    check_stacked("train_state", train_state, program.num_devices)
     loss, new = _train_step(program, optimizer, current_for(program, train_state), inputs,
                             targets, rng)
     return loss, TrainState(new, program.widths)

@@ -244,6 +244,7 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     fold_in(bg_rng, d). Returns (fg loss, new fg state, bg losses [G] (0 where a device
     ran none), new bg state). A foreground state trained under other widths is made
     current first (`executor.current_for`)."""
+    check_stacked("fg_state", fg_state, mux.fg.num_devices)
     loss, fg, bg_losses, bg = _multiplexed_step(
         mux, current_for(mux.fg, fg_state), bg_state, fg_inputs, fg_targets, bg_inputs,
         bg_targets, fg_rng, bg_rng)

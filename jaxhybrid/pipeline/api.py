@@ -423,8 +423,9 @@ class Pipeline(PipelineVariables):
         optimizer_checks.check_per_element(optimizer, self.param_len)
         optimizer = async_weights.pipeline_optimizer(optimizer, self.schedule,
                                                      self.num_microbatches)
-        return async_weights.init_on_packed(lambda p: zero.init_optimizer(
-            optimizer, p, self.mesh, self.stage_spec, bool(self.zero)), variables["params"])
+        with outside_context_mesh():
+            return async_weights.init_on_packed(lambda p: zero.init_optimizer(
+                optimizer, p, self.mesh, self.stage_spec, bool(self.zero)), variables["params"])
 
     def train_step(self, loss_fn: Callable, optimizer, *, train: bool = True) -> Callable:
         """Returns f(variables, opt_state, inputs, targets, rng=None) -> (loss, grads,

@@ -18,8 +18,8 @@ def dtype_and_bytes(aval) -> tuple[str, int]:
 
 
 def stashed_bytes(closed, num_outputs: int, kept: list) -> dict:
-    """{"bytes", "by_dtype", "largest", "vars"} of the residuals the engine stashes, from the jaxpr of
-    forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
+    """{"bytes", "by_dtype", "largest", "vars"} of the residuals the engine stashes, from
+    the jaxpr of forward_vjp (outputs: the float outputs, then the vjp function's leaves) and the
     indices of its kept (non-variable) leaves: `backward.Derivation` drops those the
     backward recomputes cheaply from the others, as the pipeline runtime does. "largest":
     by dtype, the largest one's bytes; "vars": the stashed values' jaxpr variables."""
