@@ -62,11 +62,10 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
         grads = _differentiable(x, y) and _pull(layer, v, x, ct)
         got = _at_degree(layer, v, dims[i], x, in_dims, ct, bool(grads), model, mesh)
         out_dims = jax.tree.map(_split_dim, y, jax.tree.map(lambda a: a[0], got[0]))
-        want = [y]
-        dims_of = [out_dims]
+        want, dims_of = [y], [out_dims]
         if grads:
             want += list(grads)
-            dims_of += [dims[i].get("params") or jax.tree.map(lambda _: -1, grads[0]), in_dims]
+            dims_of += [dims[i].get("params") or None, in_dims]   # None: nothing split
         bits = _least_float_bits(layer, v, x)
         # The first layer's input gradient is never used (its input is the data).
         for what, w_tree, d_tree, g_tree in list(zip(("outputs", "parameter gradients",
@@ -74,8 +73,7 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
                                                       got))[:3 if i else 2]:
             for j in range(model):
                 _compare(i, layer, what, jax.tree.map(lambda a: a[j], g_tree),
-                         jax.tree.map(lambda a, d: _block(a, d, model, j), w_tree, d_tree),
-                         model, bits)
+                         _shard(w_tree, d_tree, model, j, layer), model, bits)
         x, in_dims = y, out_dims
 
 
@@ -104,14 +102,14 @@ def _pull(layer, v, x, ct):
 def _at_degree(layer, v, dims: dict, x, in_dims, ct, grads: bool, model: int, mesh: Mesh):
     """On every model shard (stacked: [model, ...] per leaf) the layer's output and, with
     `grads`, its parameter and input gradients for the shard's part of `ct`."""
-    shards = [{c: model_shards.shard(tree, dims.get(c), model, j, type(layer).__name__)
-               for c, tree in v.items()} for j in range(model)]
-    xs = [jax.tree.map(lambda a, d: _block(a, d, model, j), x, in_dims) for j in range(model)]
+    shards = [{c: _shard(tree, dims.get(c), model, j, layer) for c, tree in v.items()}
+              for j in range(model)]
+    xs = [_shard(x, in_dims, model, j, layer) for j in range(model)]
     stack = lambda trees: jax.tree.map(lambda *a: np.stack(a), *trees)
     with tensor_parallel.degree(model):   # the shapes of a shard's output
         y_t = tensor_parallel.eval_shape(lambda v, x: apply_layer(layer, v, x, train=False)[0],
                                          shards[0], xs[0])
-    cts = [jax.tree.map(lambda a, s: _block(a, _split_dim(a, s), model, j), ct, y_t)
+    cts = [_shard(ct, jax.tree.map(_split_dim, ct, y_t), model, j, layer)
            for j in range(model)] if grads else [0] * model
 
     def body(v, x, ct):
@@ -134,18 +132,19 @@ def _split_dim(whole, part) -> int:
     return diff[0] if diff else -1
 
 
-def _block(a, dim: int, model: int, j: int):
-    return a if dim < 0 else np.split(np.asarray(a), model, axis=dim)[j]
+def _shard(tree, dims, model: int, j: int, layer):
+    """Model shard j of a tree cut as the pipeline cuts variables (`model_shards.shard`)."""
+    return model_shards.shard(tree, dims, model, j, type(layer).__name__)
 
 
 def _compare(i: int, layer, what: str, got, want, model: int, bits: int) -> None:
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         if not jnp.issubdtype(w.dtype, jnp.floating) or not w.size:
             continue
-        # Rounding differs with the summation order: float32 ~1e-6, bfloat16 ~1e-2.
         low = min(bits, jnp.finfo(w.dtype).bits) < 32
-        tol = (2e-2 if low else 1e-4) * max(1.0, float(np.max(np.abs(np.asarray(w, np.float64)))))
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        # Rounding differs with the summation order: float32 ~1e-6, bfloat16 ~1e-2.
+        tol = (2e-2 if low else 1e-4) * max(1.0, float(np.max(np.abs(w))))
         if g.shape != w.shape:
             raise ValueError(f"Pipeline: layer {i} ({type(layer).__name__}) gives outputs of "
                              f"shape {g.shape} on a model shard where its degree-1 output's "
@@ -161,5 +160,5 @@ def _compare(i: int, layer, what: str, got, want, model: int, bits: int) -> None
                 f"v]), normalise only over whole features, gather a split input before a "
                 f"layer that mixes features (gather_from_model), add a row-parallel bias "
                 f"after reduce_from_model, and pass a column-parallel layer's input and a "
-                f"whole parameter used on split features through copy_to_model (docs/pipeline.md, 'Rules a tensor-parallel layer must "
-                f"keep').")
+                f"whole parameter used on split features through copy_to_model "
+                f"(docs/pipeline.md, 'Rules a tensor-parallel layer must keep').")

@@ -193,16 +193,21 @@ def _stage_cross_values(costs, a, b, r) -> tuple[list, dict]:
     values, live = [], {}
     for i, c in enumerate(costs[a:b], a):
         if r[i]:
-            share = _param_share(c)
-            values += ([[d, v * share, True] for d, v in c.param_values] if c.param_values
-                       else [[d, v * share, False] for d, v in c.param_by_dtype.items()])
+            values += _as_values(c.param_values, c.param_by_dtype, _param_share(c))
             continue
         scale = _residual_share(c)
-        values += ([[d, v * scale, True] for d, v in c.cross_values] if c.cross_values
-                   else [[d, v * scale, False] for d, v in c.cross_by_dtype.items()])
+        values += _as_values(c.cross_values, c.cross_by_dtype, scale)
         for d, v in c.weight_saved_by_dtype.items():
             live[d] = live.get(d, 0.0) + v * scale
     return values, live
+
+
+def _as_values(whole: list, by_dtype: dict, scale: float) -> list:
+    """[dtype, bytes, whole?] entries: the values one by one where they were recorded,
+    else each dtype's bytes as one divisible entry."""
+    if whole:
+        return [[d, v * scale, True] for d, v in whole]
+    return [[d, v * scale, False] for d, v in by_dtype.items()]
 
 
 def _first_stage_values(costs, b, r) -> tuple[list, dict]:

@@ -37,6 +37,9 @@ from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_bac
 
 _FORMAT = "piece-4"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries,
 #                       4 crossing values one by one
+# `_residuals`' record of a piece that stashes nothing.
+_NO_RESIDUALS = {"saved": {}, "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {},
+                 "io": [], "bwd_temp": 0}
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -99,9 +102,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         f_flops, f_bytes, b_flops, b_bytes, res = seen[sig]
         if res is None:   # not traceable alone: every float value it makes, an upper bound
             made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
-            res = {"saved": bytes_by_dtype([prog.avals[o] for o in made]),
-                   "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {}, "io": [],
-                   "bwd_temp": 0}
+            res = {**_NO_RESIDUALS, "saved": bytes_by_dtype([prog.avals[o] for o in made])}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
         io = {(args[n] if where == "in" else outs[n]): nbytes for where, n, nbytes in res["io"]}
@@ -167,10 +168,8 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
         return ys, pull
 
     args = ([avals[n] for n in p_idx], [avals[n] for n in x_idx], [avals[n] for n in rest_idx])
-    empty = {"saved": {}, "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {},
-             "io": [], "bwd_temp": 0}
     if not float_outs:
-        return empty
+        return _NO_RESIDUALS
     try:
         closed, (ys, pull) = jax.make_jaxpr(forward_vjp, return_shape=True)(*args)
     except Exception:   # noqa: BLE001  (the caller counts every float value it makes)
