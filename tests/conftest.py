@@ -1,5 +1,7 @@
 """Every test runs on 8 simulated CPU devices (set before jax is imported)."""
+import atexit
 import os
+import shutil
 import tempfile
 
 # Tests compile many small programs once each: skipping LLVM's optimisations compiles
@@ -13,6 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `scripts/bench.py projection` has run, and planned pipelines price steps with it: a
 # fresh one per run keeps the tests from depending on what this machine ran before.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxhybrid-tests-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -34,16 +34,16 @@ def _gather(tree):
 def _skew_process_1():
     """Process 1 measures layer 4 as 20 times slower than process 0 does."""
     import jax
-    from jaxhybrid.pipeline import api
-    if jax.process_index() != 1 or getattr(api._profile_cached, "skewed", False):
+    from jaxhybrid.pipeline import planning
+    if jax.process_index() != 1 or getattr(planning.profile_cached, "skewed", False):
         return
-    measured = api._profile_cached
+    measured = planning.profile_cached
 
     def skewed(layers, sample):
         return [dataclasses.replace(c, fwd_time=c.fwd_time * 20, bwd_time=c.bwd_time * 20)
                 if i == 4 else c for i, c in enumerate(measured(layers, sample))]
     skewed.skewed = True
-    api._profile_cached = skewed
+    planning.profile_cached = skewed
 
 
 def run_case(case: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 import jaxhybrid as jh
 from jaxhybrid import pipeline as jp
-from test_model_features import B, D, _batch, _microbatch_reference, _split_step_matches
+from test_model_features import D, _batch, _microbatch_reference, _split_step_matches
 from test_splitter import _close, mse
 
 CLIP = 1e-3

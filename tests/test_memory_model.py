@@ -86,7 +86,7 @@ class _DenseTanh(nn.Module):
 
 def _cross_rings(layers, x, y, pipe_size, boundaries, remat):
     """(the runtime's zb-h1 cross ring, the memory model's) in bytes."""
-    from jaxhybrid.pipeline.api import _profile_cached
+    from jaxhybrid.pipeline.planning import profile_cached
     from jaxhybrid.plan.memory_model import memory_terms
     pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=pipe_size,
                                                  devices=jax.devices()[:pipe_size]),
@@ -95,7 +95,7 @@ def _cross_rings(layers, x, y, pipe_size, boundaries, remat):
     lay = pipe._layouts(pipe._microbatch(x, "inputs"), pipe._microbatch(y, "targets"),
                         lambda o, t: jnp.mean((o - t) ** 2), True, None)
     ring = pipe.schedule.ring_slots()[1]["cross"] * memory_bench._nbytes(lay.cross_len)
-    return ring, memory_terms(_profile_cached(pipe.layers, pipe._sample), pipe.boundaries,
+    return ring, memory_terms(profile_cached(pipe.layers, pipe._sample), pipe.boundaries,
                               pipe.schedule, remat if isinstance(remat, list) else None)["cross"]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from jaxhybrid import schedules as sc
 from jaxhybrid.pipeline import tables
-from jaxhybrid.schedules import SCHEDULES, Schedule, Task, TaskType, make_schedule
+from jaxhybrid.schedules import SCHEDULES, Schedule, TaskType, make_schedule
 
 SIZES = [(1, 1), (2, 1), (2, 5), (3, 7), (4, 4), (4, 9), (8, 17)]
 

@@ -90,7 +90,7 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
     from jaxhybrid import pipeline as jp
     from jaxhybrid import train as jtrain
     from jaxhybrid.models.spec import abstract_variables
-    from jaxhybrid.pipeline.api import _profile_cached
+    from jaxhybrid.pipeline.planning import profile_cached
     from jaxhybrid.plan.memory_model import memory_terms
 
     spec = models.get_model(config.model.name, config.model.size,
@@ -103,7 +103,7 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
     x, y = spec.sample_batch(config.train.batch_size)
     t0 = time.perf_counter()
     pipe.make_plan(x)
-    costs = _profile_cached(pipe.layers, pipe._sample)
+    costs = profile_cached(pipe.layers, pipe._sample)
     factor = 4 if step == "train" else 2
     terms = memory_terms(costs, pipe.boundaries, pipe.schedule, every,
                          param_state_factor=factor)

@@ -133,8 +133,8 @@ def speed_rows(widths, blocks: int, mb: int, repeats: int, schedule: str = "1f1b
 
 
 def print_speed_rows(rows) -> None:
-    print(f"\nCPU-seconds per step, same model and global batch on 4 of the simulated devices "
-          f"(DP acc = data 4 accumulating M/4 microbatches of the same size):")
+    print("\nCPU-seconds per step, same model and global batch on 4 of the simulated devices "
+          "(DP acc = data 4 accumulating M/4 microbatches of the same size):")
     print(f"{'schedule / model':34} {'pipelined 1x4':>14} {'DP 4x1 M=1':>11} {'ratio':>6} "
           f"{'DP acc':>11} {'ratio':>6}")
     for r in rows:

@@ -6,7 +6,6 @@ import functools
 import inspect
 from typing import Callable
 
-import numpy as np
 
 from jaxhybrid.checks import is_int
 from jaxhybrid.schedules.placer import ScheduleDeadlock, place_tasks

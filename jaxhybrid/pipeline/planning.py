@@ -1,0 +1,74 @@
+"""`Pipeline`'s planning: the layers' measured costs (cached per layers and input
+shapes) and the plan made from them (boundaries, remat, predicted time and memory). A
+mixin of `Pipeline` (api.py), which holds the settings these methods read."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.pipeline.arguments import one_microbatch
+
+
+class PipelinePlanning:
+    def _microbatch_sample(self, sample_inputs):
+        """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
+        return one_microbatch(sample_inputs, self.data * self.num_microbatches)
+
+    def _layer_costs(self):
+        return (profile_cached(self.layers, self._sample) if self.splitter is None
+                else self.splitter.costs(self._sample))   # lowered pieces, no compiles
+
+    def _make_plan(self, fixed: bool, costs=None):
+        from jaxhybrid import plan as planner   # plan/ never imports pipeline/
+        from jaxhybrid.plan.calibration import stored_hardware
+        costs = self._layer_costs() if costs is None else costs
+        return planner.make_plan(
+            costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
+            schedule=self.schedule, data=self.data, topology=self.topology,
+            memory_budget=self.memory_budget if self.remat == "auto" else None,
+            boundaries=self.boundaries if fixed else None, model=self.model,
+            zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
+            remat=self._planned_remat(), param_state_factor=self.param_state_factor)
+
+    def _planned_remat(self) -> list | None:
+        """The user's remat as one bool per layer for the planner to predict (it reported
+        its own choice, nothing recomputed, whatever ran); None where the planner chooses
+        or a stage runs a jax.checkpoint policy (not modelled: counted as no remat)."""
+        if isinstance(self.remat, str) and self.remat in ("auto", "none"):
+            return None
+        out = []
+        for prog in self.programs:
+            if prog.stage_remat not in ("none", "full"):
+                return None
+            out += [prog.stage_remat == "full" or r for r in prog.layer_remat]
+        return out
+
+    @property
+    def plan(self):
+        """The plan in use (boundaries, remat per layer, predicted per-stage time/memory):
+        the user's remat when given ('full', one bool per layer, or per stage 'none' /
+        'full'; a stage's jax.checkpoint policy is not modelled and shows as none)."""
+        if self._plan is None:
+            if self._sample is None:
+                raise ValueError("Pipeline.plan: call pipe.init(rng, sample_inputs) first (the "
+                                 "plan is made from the layers' measured costs).")
+            self._plan = self._make_plan(fixed=True)
+        return self._plan
+
+
+_PROFILE_CACHE: dict = {}
+
+
+def profile_cached(layers, sample):
+    """Per-layer costs, cached on the layers and the per-example input shapes: pipelines
+    that differ in mesh, schedule or microbatch size share one profile (costs per example
+    scale linearly to the microbatch at hand)."""
+    from jaxhybrid.plan import profile
+    rows = int(np.shape(jax.tree.leaves(sample)[0])[0])
+    key = (tuple(id(l) for l in layers),
+           str(jax.tree.map(lambda a: (np.shape(a)[1:], jnp.asarray(a).dtype), sample)))
+    if key not in _PROFILE_CACHE:   # the cached list keeps the layers alive: ids stay unique
+        _PROFILE_CACHE[key] = (list(layers), profile(layers, sample))
+    costs = _PROFILE_CACHE[key][1]
+    return costs if costs[0].batch_size == rows else [c.scaled(rows) for c in costs]
