@@ -14,6 +14,7 @@ compared with the layer at degree 1 (evaluation mode: no dropout, running averag
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import flax
@@ -47,7 +48,7 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
         split = [d for c in v for d in jax.tree.leaves(dims[i].get(c) or {})]
         takes_split = any(d >= 0 for d in [*split, *jax.tree.leaves(in_dims)])
         try:
-            y = jax.tree.map(np.asarray, apply_layer(layer, v, x, train=False)[0])
+            y_shapes = jax.eval_shape(_forward(layer), v, x)
         except flax.errors.InvalidRngError:   # draws in evaluation too (a VAE's sampler)
             if takes_split:   # its shards draw their own numbers: not comparable
                 return
@@ -55,16 +56,18 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
                                                      rng=jax.random.key(0))[0])
             continue
         if not takes_split:
-            x = y
+            x = jax.tree.map(np.asarray, _program(_forward, layer)(v, x))
             continue
-        ct = jax.tree.map(lambda a: np.random.default_rng(i).normal(size=np.shape(a)).astype(
-            a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else None, y)
-        grads = _differentiable(x, y) and _pull(layer, v, x, ct)
-        got = _at_degree(layer, v, dims[i], x, in_dims, ct, bool(grads), model, mesh)
+        ct = jax.tree.map(lambda a: np.random.default_rng(i).normal(size=a.shape).astype(
+            a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else None, y_shapes)
+        grads = _differentiable(x, y_shapes)
+        y, *want_grads = jax.tree.map(np.asarray, _program(_forward_and_pull, layer)(v, x, ct)
+                                      if grads else (_program(_forward, layer)(v, x),))
+        got = _at_degree(layer, v, dims[i], x, in_dims, ct, grads, model, mesh)
         out_dims = jax.tree.map(_split_dim, y, jax.tree.map(lambda a: a[0], got[0]))
         want, dims_of = [y], [out_dims]
         if grads:
-            want += list(grads)
+            want += want_grads
             dims_of += [dims[i].get("params") or None, in_dims]   # None: nothing split
         bits = _least_float_bits(layer, v, x)
         # The first layer's input gradient is never used (its input is the data).
@@ -75,6 +78,34 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
                 _compare(i, layer, what, jax.tree.map(lambda a: a[j], g_tree),
                          _shard(w_tree, d_tree, model, j, layer), model, bits)
         x, in_dims = y, out_dims
+
+
+def _forward(layer):
+    return lambda v, x: apply_layer(layer, v, x, train=False)[0]
+
+
+def _forward_and_pull(layer):
+    """(output, parameter gradients, input gradients) of the layer at x for output
+    cotangent ct."""
+    def run(v, x, ct):
+        f = lambda p, xx: apply_layer(layer, {**v, "params": p}, xx, train=False)[0]
+        y, pull = jax.vjp(f, v.get("params", {}), x)
+        return (y, *pull(ct))
+    return run
+
+
+def _program(make, layer, *args):
+    """`make(layer, *args)` jitted, one per equal layer (a model's repeated blocks compile
+    once; run op by op, a transformer block's check took seconds)."""
+    try:
+        return _cached_program(make, layer, *args)
+    except TypeError:   # a layer with unhashable fields
+        return jax.jit(make(layer, *args))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_program(make, layer, *args):
+    return jax.jit(make(layer, *args))
 
 
 def _least_float_bits(layer, v, x) -> int:
@@ -88,15 +119,7 @@ def _least_float_bits(layer, v, x) -> int:
 
 def _differentiable(x, y) -> bool:
     """Gradients are compared where every input and output leaf is floating."""
-    return all(jnp.issubdtype(np.asarray(a).dtype, jnp.floating)
-               for a in jax.tree.leaves((x, y)))
-
-
-def _pull(layer, v, x, ct):
-    """(parameter gradients, input gradients) of the layer at x for output cotangent ct."""
-    f = lambda p, xx: apply_layer(layer, {**v, "params": p}, xx, train=False)[0]
-    _, pull = jax.vjp(f, v.get("params", {}), x)
-    return jax.tree.map(np.asarray, pull(ct))
+    return all(jnp.issubdtype(a.dtype, jnp.floating) for a in jax.tree.leaves((x, y)))
 
 
 def _at_degree(layer, v, dims: dict, x, in_dims, ct, grads: bool, model: int, mesh: Mesh):
@@ -107,23 +130,28 @@ def _at_degree(layer, v, dims: dict, x, in_dims, ct, grads: bool, model: int, me
     xs = [_shard(x, in_dims, model, j, layer) for j in range(model)]
     stack = lambda trees: jax.tree.map(lambda *a: np.stack(a), *trees)
     with tensor_parallel.degree(model):   # the shapes of a shard's output
-        y_t = tensor_parallel.eval_shape(lambda v, x: apply_layer(layer, v, x, train=False)[0],
-                                         shards[0], xs[0])
+        y_t = tensor_parallel.eval_shape(_forward(layer), shards[0], xs[0])
     cts = [_shard(ct, jax.tree.map(_split_dim, ct, y_t), model, j, layer)
            for j in range(model)] if grads else [0] * model
+
+    run = _program(_sharded, layer, grads, mesh)
+    with jax.threefry_partitionable(False):
+        return jax.tree.map(np.asarray, run(stack(shards), stack(xs), stack(cts)))
+
+
+def _sharded(layer, grads: bool, mesh: Mesh):
+    """The layer at degree mesh.size in a shard_map over "model": (output, and with
+    `grads` parameter and input gradients) per shard, stacked."""
+    model = mesh.size
 
     def body(v, x, ct):
         v, x, ct = jax.tree.map(lambda a: a[0], (v, x, ct))
         with tensor_parallel.degree(model):
-            f = lambda p, xx: apply_layer(layer, {**v, "params": p}, xx, train=False)[0]
-            y, pull = jax.vjp(f, v.get("params", {}), x)
-            out = (y, *pull(ct)) if grads else (y,)
+            out = _forward_and_pull(layer)(v, x, ct) if grads else (_forward(layer)(v, x),)
         return jax.tree.map(lambda a: a[None], out)
 
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(tensor_parallel.MODEL),
-                                out_specs=P(tensor_parallel.MODEL), check_vma=False))
-    with jax.threefry_partitionable(False):
-        return jax.tree.map(np.asarray, run(stack(shards), stack(xs), stack(cts)))
+    return jax.shard_map(body, mesh=mesh, in_specs=P(tensor_parallel.MODEL),
+                         out_specs=P(tensor_parallel.MODEL), check_vma=False)
 
 
 def _split_dim(whole, part) -> int:
