@@ -28,7 +28,7 @@ import optax
 from absl import logging
 from jax.sharding import NamedSharding
 
-from jaxhybrid import checkpoint, data, distributed, startup
+from jaxhybrid import checkpoint, data, distributed, startup, step_memory
 from jaxhybrid import workdir as workdir_
 from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
@@ -79,42 +79,26 @@ def compile_ahead(run: Run, train_step, state: dict, masks, rng):
 
 def check_step_memory(compiled, budget, planned: float | None, limit: float | None,
                       recomputes_all: bool = False) -> str:
-    """The compiled step's bytes per device (`memory_analysis`: arguments + outputs +
-    temporaries - aliased) against the device's memory `limit` (ConfigError: the first
-    step would fail to allocate), and against `pipeline.memory_budget` (a warning: the
-    planner's model, `planned` bytes, fell short of this step; a plan that recomputes
-    every layer already cannot recompute more); returns the log line."""
-    from jaxhybrid.plan.topology import fmt_bytes, parse_bytes
-    try:
-        ma = compiled.memory_analysis()
-        need = float(ma.argument_size_in_bytes + ma.output_size_in_bytes
-                     + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
-    except Exception:   # a backend without memory analysis: nothing to check
+    """The compiled step's bytes per device (`step_memory.compiled_bytes`) against the
+    device's memory `limit` (ConfigError: the first step would fail to allocate), and
+    against `pipeline.memory_budget` (a warning: the planner's model, `planned` bytes,
+    fell short of this step; a plan that recomputes every layer already cannot recompute
+    more); returns the log line."""
+    from jaxhybrid.plan.topology import fmt_bytes
+    need = step_memory.compiled_bytes(compiled)
+    if need is None:   # a backend without memory analysis: nothing to check
         return "memory per device: not reported by this backend"
     line = f"memory per device: the compiled step needs {fmt_bytes(need)}" + (
         f" (the planner's model: {fmt_bytes(planned)})" if planned else "")
-    more_stages = "use more pipeline stages or smaller microbatches (more of them)"
-    fix = "set pipeline.remat='full' (recompute every stage), or " + more_stages
     if limit and need > limit:
         raise ConfigError(f"the compiled training step needs {fmt_bytes(need)} per device, more "
-                          f"than the device's {fmt_bytes(limit)}; {fix}.")
-    if budget is not None and need > parse_bytes(budget):
-        more = ("" if recomputes_all else f"lower the budget by "
-                f"{fmt_bytes(need - parse_bytes(budget))} to have the planner recompute more, or ")
-        logging.warning("the compiled step needs %s per device, over pipeline.memory_budget=%s "
-                        "(the planner's model: %s); %s%s.", fmt_bytes(need), budget,
-                        fmt_bytes(planned) if planned else "not planned", more,
-                        more_stages if recomputes_all else fix)
+                          f"than the device's {fmt_bytes(limit)}; set pipeline.remat='full' "
+                          f"(recompute every stage), or {step_memory.MORE_STAGES}.")
+    warning = step_memory.over_budget(need, budget, planned, recomputes_all,
+                                      "pipeline.remat='full'")
+    if warning:
+        logging.warning(warning.replace("memory_budget=", "pipeline.memory_budget=", 1))
     return line
-
-
-def device_memory_limit() -> float | None:
-    """Bytes one local device can allocate (a GPU's `bytes_limit`), or None (CPU)."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:   # no memory statistics on this backend
-        return None
-    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
 def abstract_state(pipe, t, masks) -> dict:
@@ -382,7 +366,7 @@ def _checked_step(run: Run, t, state, masks, rng, p, ckpt: checkpoint.Checkpoint
         # Several processes: a step too big for one process's device stops them all
         # (the others would wait for it in the first step's collectives).
         logging.info(distributed.fail_together(lambda: check_step_memory(
-            compiled, p.memory_budget, planned, device_memory_limit(),
+            compiled, p.memory_budget, planned, step_memory.device_memory_limit(),
             p.memory_budget is not None and all(run.pipe.plan.remat)), ConfigError))
     return train_step
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxhybrid import train
+from jaxhybrid import step_memory, train
 
 
 def fake(argument=0, output=0, temp=0, alias=0):
@@ -62,7 +62,7 @@ def test_a_real_compiled_step_and_a_backend_without_the_analysis():
         train.check_step_memory(compiled, None, None, need - 1)
     assert train.check_step_memory(object(), "1MB", None, None) == \
         "memory per device: not reported by this backend"
-    assert train.device_memory_limit() is None   # CPU: no allocation limit to check
+    assert step_memory.device_memory_limit() is None   # CPU: no allocation limit to check
 
 
 def test_the_planner_counts_the_training_steps_masks_and_slots():
@@ -85,3 +85,38 @@ def test_the_planner_counts_the_training_steps_masks_and_slots():
     params = memory_terms(costs, plans[0].boundaries, plans[0].schedule_table(),
                           plans[0].remat)["params"]
     assert plans[1].device_memory - plans[0].device_memory == pytest.approx(params, rel=1e-6)
+
+
+def test_pipeline_train_step_warns_when_its_compiled_step_is_over_the_budget(monkeypatch):
+    # train.py compared its compiled step with the budget; the Python API did not, so a
+    # plan the model put under the budget and the step exceeded passed unnoticed.
+    import warnings
+
+    import flax.linen as nn
+    import numpy as np
+    import optax
+
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    layers = [nn.Dense(16), nn.Dense(16), nn.Dense(16), nn.Dense(4)]
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    y = np.zeros((8, 4), np.float32)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[2], remat="auto", memory_budget="1GB")
+    variables = pipe.init(jax.random.key(0), x)
+    opt = optax.sgd(0.1)
+    loss_fn = lambda out, t: jnp.mean((out - t) ** 2)
+    step = pipe.train_step(loss_fn, opt)
+    seen = []
+    measure = step_memory.compiled_bytes
+    monkeypatch.setattr(step_memory, "compiled_bytes", lambda c: seen.append(measure(c))
+                        or seen[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # within the budget: no warning
+        step(variables, pipe.init_optimizer(opt, variables), x, y)
+    assert len(seen) == 1 and 0 < seen[0] < 2 ** 30   # the real compiled step, measured once
+    monkeypatch.setattr(step_memory, "compiled_bytes", lambda c: 3 * 2 ** 30)
+    step = pipe.train_step(loss_fn, opt)
+    with pytest.warns(UserWarning, match=r"Pipeline.train_step: the compiled step needs "
+                                         r"3(\.\d+)?GB per device, over memory_budget=1GB"):
+        step(variables, pipe.init_optimizer(opt, variables), x, y)

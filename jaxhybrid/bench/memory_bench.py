@@ -45,6 +45,7 @@ import numpy as np
 from absl import flags
 
 from jaxhybrid.plan.topology import fmt_bytes
+from jaxhybrid.step_memory import compiled_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", "inception_v3,gnmt,biglstm,gpt", "models (configs/<name>_hybrid.py; "
@@ -122,10 +123,9 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
         lowered = jtrain.make_train_step(run, config.train).lower(state, (None, None), xs, ys, rng)
     else:
         lowered = pipe.value_and_grad(spec.loss_fn).lower(variables, xs, ys, rng)
-    ma = lowered.compile().memory_analysis()
+    executable = lowered.compile()
     compile_s = time.perf_counter() - t0
-    compiled = float(ma.argument_size_in_bytes + ma.output_size_in_bytes
-                     + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+    ma, compiled = executable.memory_analysis(), compiled_bytes(executable)
 
     # The runtime's packed sizes next to the model's (padding).
     mb_in = pipe._microbatch(xs, "inputs")

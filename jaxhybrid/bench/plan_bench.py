@@ -44,6 +44,7 @@ from jaxhybrid.plan.hardware import get_hardware
 from jaxhybrid.plan.hybrid import times_on_hardware
 from jaxhybrid.plan.topology import fmt_bytes
 from jaxhybrid.schedules import make_schedule
+from jaxhybrid.step_memory import compiled_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sections", "partition,mapping,remat,speed", "which figures to print.")
@@ -225,10 +226,8 @@ def _compiled_peak(spec, per_layer, batch, cuts, remat, S: int) -> float:
     variables = p.pack(per_layer)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     x, y = jax.device_put(batch, sharding)
-    mem = p.value_and_grad(spec.loss_fn).lower(variables, x, y, jax.random.key(1)).compile() \
-        .memory_analysis()
-    return float(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                 - mem.alias_size_in_bytes)
+    return compiled_bytes(
+        p.value_and_grad(spec.loss_fn).lower(variables, x, y, jax.random.key(1)).compile())
 
 
 def _backward_flops(spec, per_layer, x, y, cuts, flags, stage_level: bool) -> float:

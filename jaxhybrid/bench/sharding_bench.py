@@ -45,6 +45,7 @@ from jaxhybrid import models
 from jaxhybrid.config_flags import define_int_list
 from jaxhybrid import pipeline as jp
 from jaxhybrid.pipeline.stages import even_boundaries
+from jaxhybrid.step_memory import compiled_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("layers", 4, "GPT blocks.")
@@ -108,10 +109,8 @@ def step_bytes(spec, layout, M: int, microbatch: int) -> int:
     t.optimizer, t.weight_decay = "adamw", 0.0     # Adam's two moments, no masks
     state = train.initial_state(pipe, t, pipe.init(jax.random.key(0), x))
     run = train.Run(spec, mesh, pipe, None, None, x)
-    mem = train.make_train_step(run, t).lower(state, (None, None), x, y, jax.random.key(1)) \
-        .compile().memory_analysis()
-    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-               - mem.alias_size_in_bytes)
+    return int(compiled_bytes(train.make_train_step(run, t).lower(
+        state, (None, None), x, y, jax.random.key(1)).compile()))
 
 
 def gpt_depths(size: str, microbatch: int, **overrides):

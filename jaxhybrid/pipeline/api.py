@@ -406,13 +406,18 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             return loss, grads, {**variables, **new_state, "params": params}, opt_state
 
         jitted = jax.jit(_step)
+        budget_checked: list = []
 
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state, not self.zero)
             inputs, targets = on_every_process(self, "train_step", inputs, targets)
+            args = (variables, opt_state, inputs, targets, rng)
             with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
-                return jitted(variables, opt_state, inputs, targets, rng)
+                if self.memory_budget is not None and not budget_checked:
+                    budget_checked.append(True)   # the first call's step, compiled ahead
+                    self._warn_over_budget(jitted.lower(*args).compile())
+                return jitted(*args)
 
         step.lower = jitted.lower
         return step

@@ -3,10 +3,13 @@ shapes) and the plan made from them (boundaries, remat, predicted time and memor
 mixin of `Pipeline` (api.py), which holds the settings these methods read."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid import step_memory
 from jaxhybrid.pipeline.arguments import one_microbatch
 
 
@@ -55,6 +58,16 @@ class PipelinePlanning:
                                  "plan is made from the layers' measured costs).")
             self._plan = self._make_plan(fixed=True)
         return self._plan
+
+    def _warn_over_budget(self, compiled) -> None:
+        """Warns where the compiled training step needs more than `memory_budget` per
+        device: the planner's model fell short of it (docs/planner.md has its errors)."""
+        need = step_memory.compiled_bytes(compiled)
+        warning = need and step_memory.over_budget(
+            need, self.memory_budget, self.plan.device_memory, all(self.plan.remat),
+            "remat='full' without a memory_budget")
+        if warning:
+            warnings.warn(f"Pipeline.train_step: {warning}", stacklevel=4)
 
 
 _PROFILE_CACHE: dict = {}
