@@ -80,15 +80,16 @@ def test_auto_remat_under_a_budget_recomputes_and_stays_exact():
     per_layer = free.unpack(free.init(jax.random.key(0), inputs))
     no_remat_peak = max(free.plan.stage_memory)
     # A budget between the all-recompute and no-recompute peaks forces some recomputation.
-    unbudgeted = planner.make_plan(planner.profile(LAYERS, mm.make_batch(2)[0]), num_stages=2,
-                             num_microbatches=4, boundaries=[4], memory_budget=None)
     budget = int(no_remat_peak * 0.97)
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, boundaries=[4],
                        memory_budget=budget)
     pipe.init(jax.random.key(0), inputs)
     assert any(pipe.plan.remat) and not all(pipe.plan.remat)
     assert max(pipe.plan.stage_memory) <= budget
-    assert unbudgeted.bottleneck_time <= pipe.plan.bottleneck_time   # recompute costs time
+    # Recompute costs time. (Against a plan made here with `planner.make_plan`'s default
+    # hardware this failed when a test in the same process had stored a calibration,
+    # which pipelines price with: compared with the unbudgeted pipeline's own plan.)
+    assert free.plan.bottleneck_time < pipe.plan.bottleneck_time
     loss, grads = _run(pipe, per_layer, inputs, labels)
     ref_loss, ref_grads = _reference(per_layer, inputs, labels, 1, 4)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
