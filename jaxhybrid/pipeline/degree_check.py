@@ -11,6 +11,8 @@ another one. So on the first `pack` each layer that holds a split variable or ge
 split input runs once on a couple of examples at degree T, in a shard_map over "model",
 on its degree-1 input and variables cut as the pipeline cuts them, and its output is
 compared with the layer at degree 1 (evaluation mode: no dropout, running averages).
+Parameters whose entries are all equal at init (zero biases, ReZero gates) are drawn at
+random for the check: a function of them alone would look right at init.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
     x = jax.tree.map(lambda a: np.asarray(a)[:EXAMPLES], sample)
     in_dims = jax.tree.map(lambda _: -1, x)
     for i, (layer, v) in enumerate(zip(layers, per_layer)):
+        v = _varied(v, i)
         split = [d for c in v for d in jax.tree.leaves(dims[i].get(c) or {})]
         takes_split = any(d >= 0 for d in [*split, *jax.tree.leaves(in_dims)])
         try:
@@ -78,6 +81,21 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
                 _compare(i, layer, what, jax.tree.map(lambda a: a[j], g_tree),
                          _shard(w_tree, d_tree, model, j, layer), model, bits)
         x, in_dims = y, out_dims
+
+
+def _varied(v: dict, seed: int) -> dict:
+    """v with each floating parameter whose entries are all equal (a zero-initialised
+    bias, a LayerNorm's ones, a ReZero gate) drawn at random around its value: a bias
+    added before the row-parallel sum is added T times, which zeros cannot show."""
+    rng = np.random.default_rng(seed)
+
+    def vary(a):
+        a = np.asarray(a)
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.size == 0 or np.any(a != a.flat[0]):
+            return a
+        scale = 0.5 * max(1.0, abs(float(a.flat[0])))
+        return (a + rng.normal(scale=scale, size=a.shape)).astype(a.dtype)
+    return {**v, "params": jax.tree.map(vary, v["params"])} if "params" in v else v
 
 
 def _forward(layer):
