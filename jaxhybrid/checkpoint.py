@@ -412,8 +412,10 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
             meta = restored["meta"]
-            if not isinstance(meta, dict) or "step" not in meta or "rng" not in meta:
-                raise ValueError("its meta JSON has no step and rng")
+            # Only "step" is the Checkpointer's own: a meta of a user's without "rng"
+            # (train.py's) was saved and then refused as damaged.
+            if not isinstance(meta, dict) or "step" not in meta:
+                raise ValueError("its meta JSON has no step")
         except Exception as e:  # noqa: BLE001 (a truncated file: tensorstore's Exception)
             # A truncated or missing data file raised a plain Exception (a traceback with
             # pages of tensorstore spec), or "does not fit this model" for a damaged file.

@@ -22,13 +22,36 @@ if TYPE_CHECKING:
     from jaxhybrid.train import Run
 
 
+# Evaluation's keys, for a model that draws in evaluation: fixed, so evaluations repeat.
+EVAL_SEED = 0x5EED
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def metric_sums(metrics_fn, outputs, targets, mask):
     """({metric: sum over kept rows of value x count}, sum of counts): metrics_fn per
     row (its "count", default 1, weighs it), rows where mask is False left out. Runs
     where the outputs are, so no process gathers the outputs of the others."""
     one = lambda tree: jax.tree.map(lambda a: a[None], tree)
-    rows = jax.vmap(lambda o, t: metrics_fn(one(o), one(t)))(outputs, targets)
+    n = mask.shape[0]
+    leaves, tree = jax.tree_util.tree_flatten_with_path(outputs)
+    per_row = [np.ndim(a) > 0 and np.shape(a)[0] == n for _, a in leaves]
+    for (path, a), by_row in zip(leaves, per_row):
+        if not by_row and not (np.ndim(a) > 0 and n % np.shape(a)[0] == 0):
+            raise ValueError(
+                f"evaluation: the model's output {jax.tree_util.keystr(path)} "
+                f"{tuple(np.shape(a))} has neither a row per example nor one per microbatch "
+                f"(the batch has {n} rows); return batch-major outputs, or this one only in "
+                f"training (train=True).")
+    # An output with one value per microbatch (an auxiliary loss: pipe.apply returns them
+    # [data x M, ...]) is seen by each row as the value of its microbatch, as the loss sees
+    # it in training.
+    expanded = [a if by_row else jnp.repeat(a, n // np.shape(a)[0], axis=0)
+                for (_, a), by_row in zip(leaves, per_row)]
+
+    def row(o, t):
+        o = tree.unflatten([a[None] if by_row else a for a, by_row in zip(o, per_row)])
+        return metrics_fn(o, one(t))
+    rows = jax.vmap(row)(expanded, targets)
     count = rows.pop("count", jnp.ones(mask.shape, jnp.float32))
     weight = count * mask
     # where, not v x 0: a left-out row's NaN (padding a model normalises, a label past
@@ -42,10 +65,12 @@ def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
     padded rows are dropped by the mask, examples weighed by the metrics' "count"."""
     totals, weight = {}, 0.0
     batches = run.eval_batches()
-    for inputs, targets, mask in itertools.islice(batches, max_batches or None):
+    for b, (inputs, targets, mask) in enumerate(itertools.islice(batches, max_batches or None)):
         inputs, targets, mask = data.place_batch((inputs, targets, np.asarray(mask, bool)),
                                                  run.mesh)
-        outputs = run.pipe.apply(variables, inputs)
+        # A key in case the model draws in evaluation (a VAE's latent): one per batch.
+        outputs = run.pipe.apply(variables, inputs, rng=jax.random.fold_in(
+            jax.random.key(EVAL_SEED), b))
         sums, count = metric_sums(run.spec.metrics_fn, outputs, targets, mask)
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)

@@ -327,6 +327,10 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(pipe, state)
         start, loss_window = int(meta["step"]), tuple(meta.get("loss_window", ()))
+        if "rng" not in meta:   # saved by a Checkpointer outside train.py
+            raise ConfigError(f"checkpoint: step {start} in {ckpt.directory} has no training "
+                              f"key (meta 'rng'): it was not saved by train.py; use a fresh "
+                              f"workdir, or save with meta={{'rng': key data, ...}}.")
         train_rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
         if main:
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
@@ -415,24 +419,28 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
             trace.after(step, state)
             last = step == t.steps
             do_eval = last or (t.eval_every and step % t.eval_every == 0)
+            record = None
             if do_eval or step % t.log_every == 0:
-                now = time.time()
                 record = {"step": step, "train_loss": float(np.mean(window)),
                           "learning_rate": float(schedule(step - 1)),
                           "grad_norm": m["grad_norm"], "param_norm": m["param_norm"],
-                          "steps_per_sec": timed / max(now - tick, 1e-9)}
-                if do_eval:
-                    record.update(evaluate(run, state["variables"], t.eval_steps))
-                if writer is not None:
-                    writer.write(record)
-                bar.set_postfix(loss=f"{record['train_loss']:.4f}")
-                final, window, timed, tick = record, [], 0, time.time()
+                          "steps_per_sec": timed / max(time.time() - tick, 1e-9)}
+                window, timed = [], 0
+            # Saved before the evaluation: an evaluation that fails (a model whose outputs
+            # the metrics cannot take) lost every step since the last checkpoint.
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                 saving = time.time()
                 b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step,
                                                     "loss_window": list(window)})
                 last_saved = step                 # once saved (a stop may cut the save)
                 tick += time.time() - saving                            # not a step's time
+            if record is not None:
+                if do_eval:
+                    record.update(evaluate(run, state["variables"], t.eval_steps))
+                if writer is not None:
+                    writer.write(record)
+                bar.set_postfix(loss=f"{record['train_loss']:.4f}")
+                final, tick = record, time.time()
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
     except KeyboardInterrupt:               # Ctrl-C, or SIGTERM (distributed.stop_on_signals)

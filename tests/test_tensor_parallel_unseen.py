@@ -319,6 +319,38 @@ def test_a_layer_that_computes_otherwise_on_its_shard_is_refused(layer, message)
         pipe.init(jax.random.key(0), ids)
 
 
+class NoisyMLP(nn.Module):
+    """A correct column / row-parallel MLP that draws noise in evaluation too."""
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(tp.local(HIDDEN, "hidden"), kernel_init=LP(INIT, ("embed", "mlp")))(
+            tp.copy_to_model(x))
+        h = h + 0.01 * jax.random.normal(self.make_rng("dropout"), h.shape)
+        down = self.param("down", LP(INIT, ("mlp", "embed")), (tp.local(HIDDEN, "hidden"), WIDTH))
+        return x + tp.reduce_from_model(nn.gelu(h) @ down)
+
+
+def test_a_constant_sample_or_a_sampling_layer_does_not_hide_a_wrong_layer():
+    # pipe.init(key, jnp.zeros(...)): a first layer without biases gave zeros at both
+    # degrees and was accepted; a split layer that draws in evaluation ended the check,
+    # and the wrong layer after it trained another model silently (loss 1.94 at model=2,
+    # 1.13 at model=1 for the same variables). Both are refused now.
+    mesh = jh.make_mesh(data=1, pipe=2, model=2)
+    zeros = jnp.zeros((8, 6, WIDTH))
+    pipe = jp.Pipeline([FusedQKV(shard_major=False), Head()], mesh=mesh, num_microbatches=2,
+                       boundaries=[1])
+    with pytest.raises(ValueError, match=r"layer 0 \(FusedQKV\) .*outputs differ"):
+        pipe.init(jax.random.key(0), zeros)
+    ids = jax.random.randint(RNG, (8, 6), 0, VOCAB)
+    pipe = jp.Pipeline([Embed(), NoisyMLP(), FusedQKV(shard_major=False), Head()], mesh=mesh,
+                       num_microbatches=2, boundaries=[2])
+    with pytest.raises(ValueError, match=r"layer 2 \(FusedQKV\) .*outputs differ"):
+        pipe.init(jax.random.key(0), ids)
+    pipe = jp.Pipeline([Embed(), NoisyMLP(), FusedQKV(shard_major=True), Head()], mesh=mesh,
+                       num_microbatches=2, boundaries=[2])
+    pipe.init(jax.random.key(0), ids)           # the right layout after it is accepted
+
+
 @pytest.mark.parametrize("layer", [FusedQKV(shard_major=True), WholeScaleMLP(copied=True)])
 def test_the_shard_major_and_copied_forms_train_as_one_device(layer):
     ids = jax.random.randint(RNG, (8, 6), 0, VOCAB)

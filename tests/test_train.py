@@ -11,6 +11,7 @@ import pathlib
 import queue
 import shutil
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid import checkpoint, data, metrics, models, optim, train
+from jaxhybrid import pipeline as jp
 from jaxhybrid.config_flags import load_config
 
 # (data, pipe) -> num_microbatches and boundaries such that every layout splits a
@@ -413,3 +415,84 @@ def test_rows_left_out_of_the_evaluation_cannot_poison_it():
     assert float(count) == 1.0
     np.testing.assert_allclose(float(sums["loss"]), want, rtol=1e-6)
     assert float(sums["accuracy"]) == 1.0
+
+
+class _MaskedTokenLoss(jp.WeightedMean):
+    """A researcher's masked per-token loss: targets (labels [B, T], mask [B, T])."""
+
+    def total(self, outputs, targets):
+        labels, mask = targets
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(outputs), labels[..., None], -1)[..., 0]
+        return jnp.sum(nll * mask)
+
+    def weight(self, targets):
+        return jnp.sum(targets[1])
+
+
+def test_eval_loss_of_a_weighted_mean_is_its_mean_over_the_set():
+    # A loss given by import path was evaluated row by row with each row weighed 1: a
+    # masked token loss's eval_loss was the mean of the rows' token means (a probe: 3.84
+    # where the loss itself said 1.71), unlike train_loss.
+    from jaxhybrid.models.from_module import LossOnlyMetrics
+    loss = _MaskedTokenLoss()
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 5, 7)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 7, size=(4, 5)))
+    mask = jnp.asarray([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
+                       jnp.float32)
+    sums, count = metrics.metric_sums(LossOnlyMetrics(loss), logits, (labels, mask),
+                                      jnp.ones(4, bool))
+    assert float(count) == 7.0
+    np.testing.assert_allclose(float(sums["loss"]) / float(count),
+                               float(loss(logits, (labels, mask))), rtol=1e-6)
+
+
+def test_evaluation_takes_outputs_with_one_value_per_microbatch():
+    # apply returns a scalar output (an auxiliary loss) once per microbatch, [data x M];
+    # the per-row metrics failed with jax's "vmap got inconsistent sizes" after the whole
+    # run. Each row now sees its microbatch's value, as the loss does in training.
+    fn = lambda o, t: {"loss": jnp.mean((o["y"] - t) ** 2) + o["aux"]}
+    y, t = jnp.arange(8.0), jnp.zeros(8)
+    aux = jnp.asarray([10.0, 20.0, 30.0, 40.0])        # 4 microbatches of 2 rows
+    sums, count = metrics.metric_sums(fn, {"y": y, "aux": aux}, t, jnp.ones(8, bool))
+    assert float(count) == 8.0
+    np.testing.assert_allclose(float(sums["loss"]), float(jnp.sum(y ** 2) + 2 * jnp.sum(aux)))
+    with pytest.raises(ValueError, match=r"output \['aux'\] \(3,\) has neither a row per "
+                                         r"example nor one per microbatch") as e:
+        metrics.metric_sums(fn, {"y": y, "aux": aux[:3]}, t, jnp.ones(8, bool))
+    assert "\n" not in str(e.value)
+
+
+def test_the_checkpoint_is_written_before_an_evaluation_that_fails(tmp_path, monkeypatch):
+    # The last step's evaluation ran before its checkpoint: a model whose evaluation
+    # failed (one that samples in evaluation, an output the metrics could not take) lost
+    # the whole run, every step since the last checkpoint.
+    def failing(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+    monkeypatch.setattr(train, "evaluate", failing)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train.train_and_evaluate(gpt_config(**{"train.steps": 2, "checkpoint.every": 0}),
+                                 tmp_path)
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).latest_step() == 2
+
+
+def test_evaluation_gives_a_model_that_samples_its_keys(monkeypatch):
+    # A model that draws in evaluation (a VAE's latent) needs a key in apply; evaluation
+    # passed none and failed after the whole run. Each batch gets its own, fixed, key.
+    keys = []
+
+    class Pipe:
+        def apply(self, variables, inputs, rng=None):
+            keys.append(None if rng is None else np.asarray(jax.random.key_data(rng)))
+            return inputs
+
+    batches = [(np.ones((8, 2), np.float32), np.zeros((8, 2), np.float32), np.ones(8, bool))] * 2
+    run = types.SimpleNamespace(eval_batches=lambda: iter(batches), pipe=Pipe(),
+                                mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+                                spec=types.SimpleNamespace(metrics_fn=lambda o, t: {
+                                    "loss": jnp.mean((o - t) ** 2)}))
+    for _ in range(2):
+        assert metrics.evaluate(run, None) == {"eval_loss": 1.0}
+    assert len(keys) == 4 and all(k is not None for k in keys)
+    assert not np.array_equal(keys[0], keys[1])          # one per batch
+    np.testing.assert_array_equal(keys[0], keys[2])      # the same in every evaluation

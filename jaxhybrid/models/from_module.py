@@ -17,6 +17,7 @@ import importlib
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
@@ -90,10 +91,17 @@ class WeightedEnoughScores(EnoughScores, WeightedMean):
 
 @dataclasses.dataclass(frozen=True)
 class LossOnlyMetrics:
-    """Metrics of a user loss: {"loss"} (frozen: equal losses hash equal)."""
+    """Metrics of a user loss: {"loss"} (frozen: equal losses hash equal). A
+    `WeightedMean` is weighed by its weight, so eval_loss is its mean over the whole
+    set as train_loss is over the batch (each row weighed 1, a masked token loss's
+    eval_loss was the mean of the rows' token means: 3.84 where the loss said 1.71)."""
     loss_fn: Callable
 
     def __call__(self, outputs, targets):
+        if isinstance(self.loss_fn, WeightedMean):
+            weight = jnp.asarray(self.loss_fn.weight(targets), jnp.float32)
+            total = self.loss_fn.total(outputs, targets)
+            return {"loss": total / jnp.where(weight > 0, weight, 1), "count": weight}
         return {"loss": self.loss_fn(outputs, targets)}
 
 

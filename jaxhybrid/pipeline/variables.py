@@ -137,7 +137,8 @@ class PipelineVariables:
         abstract = self.abstract_layer_vars(per_layer)
         if check:
             self._check_like_layout(abstract)
-        self._set_layer_vars(abstract)
+        if abstract != self._layer_vars:   # a new layout; the same one keeps the compiled
+            self._set_layer_vars(abstract)   # programs (apply recompiled after every pack)
         same_pipeline_everywhere(self, "pack")
         if self.model > 1 and not self._degree_checked and self.splitter is None:
             # Once per pipeline, on the first values: a layer that computes another
