@@ -11,8 +11,9 @@ another one. So on the first `pack` each layer that holds a split variable or ge
 split input runs once on a couple of examples at degree T, in a shard_map over "model",
 on its degree-1 input and variables cut as the pipeline cuts them, and its output is
 compared with the layer at degree 1 (evaluation mode: no dropout, running averages).
-Parameters whose entries are all equal at init (zero biases, ReZero gates) are drawn at
-random for the check: a function of them alone would look right at init.
+Parameters and sample leaves whose entries are all equal (zero biases, ReZero gates, a
+sample of zeros) are drawn at random for the check: a wrong layer would look right on
+them.
 """
 from __future__ import annotations
 
