@@ -4,7 +4,10 @@ last stage with its gradient summed. Any Flax model trains the same way, by impo
 
     python scripts/train.py --config=gpt_module.py --workdir=/tmp/jh_gpt_module
     python scripts/train.py --config=gpt_module.py \\
-        --config.model.module=my_package.models:make_model --config.model.loss=token
+        --config.model.module=my_package.models:make_model --config.model.loss=token \\
+        --config.model.kwargs="{'hidden': 256}"    # replaces GPT's kwargs below
+
+(`--config.model.kwargs.hidden=256` adds one argument to GPT's kwargs.)
 
 `model.module` names a factory called with `model.kwargs` (or a module instance);
 `model.loss` is "classification", "token" or an import path of loss_fn(outputs, targets);

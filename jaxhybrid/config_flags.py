@@ -116,13 +116,14 @@ def _parent_of(config: ml_collections.ConfigDict, key: str):
 
 
 def open_model_options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Unlocks config.model.overrides and config.data.options in a locked config: they
+    """Unlocks config.model.overrides, model.kwargs and data.options in a locked config: they
     hold any of the model's or dataset's options (`--config.model.overrides.num_heads=2`
     for one the config file does not name); the model and the dataset refuse unknown
     ones, naming their valid options."""
-    for group, field in (("model", "overrides"), ("data", "options")):
+    for group, field in (("model", "overrides"), ("model", "kwargs"), ("data", "options")):
         # data.options too: a dataset's option the config file does not set was refused
-        # with the file's keys as "valid keys"; the dataset checks the names itself.
+        # with the file's keys as "valid keys"; the dataset checks the names itself. And
+        # model.kwargs: the arguments of a researcher's own factory (model.module).
         node = config.get(group) if isinstance(config, ml_collections.ConfigDict) else None
         if isinstance(node, ml_collections.ConfigDict) and isinstance(
                 node.get(field), ml_collections.ConfigDict):

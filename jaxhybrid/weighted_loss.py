@@ -60,12 +60,24 @@ class _Share:
         return self.loss.total(outputs, inner) * scale[0]
 
 
-def per_part(loss_fn, targets, parts: int):
+def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
     """(loss_fn, targets) for a step that averages loss_fn over `parts` equal chunks of
     the batch `targets` (global): a WeightedMean becomes its chunk's share of the whole
-    batch's weighted mean; any other loss is returned as it is."""
+    batch's weighted mean; any other loss is returned as it is.
+
+    windows > 1: an asynchronous step whose every update averages its own window of
+    chunks (each data replica's rows cut into `windows` consecutive groups; window g is
+    group g of every replica): each chunk's share of its window's weighted mean (it was
+    the whole batch's, so an update's step scaled with the other windows' weights)."""
     if not isinstance(loss_fn, WeightedMean):
         return loss_fn, targets
     rows = jax.tree.leaves(targets)[0].shape[0]
-    weight = jnp.maximum(jnp.asarray(loss_fn.weight(targets), loss_dtype()), 1)
-    return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / weight)
+    if windows == 1:
+        weight = jnp.maximum(jnp.asarray(loss_fn.weight(targets), loss_dtype()), 1)
+        return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / weight)
+    cut = lambda a: a.reshape(data, windows, rows // (data * windows), *a.shape[1:])
+    weight_of = lambda t: jnp.asarray(loss_fn.weight(t), loss_dtype())
+    per_window = jnp.sum(jax.vmap(jax.vmap(weight_of))(jax.tree.map(cut, targets)), axis=0)
+    scale = (parts / windows) / jnp.maximum(per_window, 1)                  # [windows]
+    rows_scale = jnp.broadcast_to(scale[None, :, None], (data, windows, rows // (data * windows)))
+    return _Share(loss_fn), (targets, rows_scale.reshape(rows))

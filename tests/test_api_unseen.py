@@ -708,3 +708,25 @@ def test_a_checkpoint_saved_with_a_meta_of_ones_own_restores(tmp_path):
     assert meta["epoch"] == 1 and meta["step"] == 3
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_asynchronous_update_takes_its_own_windows_weighted_mean():
+    # Each asynchronous update is a whole optimizer step over its microbatch (across the
+    # data replicas); a WeightedMean gave it its share of the *batch's* mean instead, so
+    # its step scaled with the other microbatches' weights (1.33x / 0.89x in a probe, 0
+    # for a fully masked one). One stage: no staleness, the updates run in turn.
+    mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0],
+                        [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]], jnp.float32)
+    t = {"y": Y, "mask": mask}
+    pipe = jp.Pipeline(DENSE, mesh=jh.make_mesh(data=2, pipe=1), num_microbatches=2,
+                       schedule="pipedream", remat="none")
+    v = pipe.init(jax.random.key(0), X)
+    params = [layer["params"] for layer in pipe.unpack(v)]
+    opt = optax.sgd(0.1)
+    _, _, v, _ = pipe.train_step(MaskedMSE(), opt)(v, pipe.init_optimizer(opt, v), X, t)
+    for j in range(2):      # microbatch j: rows 2j, 2j+1 of each replica's 4
+        rows = np.array([r * 4 + 2 * j + k for r in range(2) for k in range(2)])
+        loss = lambda ps: MaskedMSE()(_sequential(DENSE, [{"params": p} for p in ps], X[rows]),
+                                      {"y": Y[rows], "mask": mask[rows]})
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+    _close([layer["params"] for layer in pipe.unpack(v)], params)

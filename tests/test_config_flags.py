@@ -154,6 +154,13 @@ def test_a_datasets_option_the_config_file_does_not_set_is_taken():
         train.prepare(load_config("inception_hybrid.py", {"data.options.test_fractoin": 0.25}))
 
 
+def test_a_factorys_own_argument_can_be_given_by_its_key():
+    # model.kwargs stayed locked: --config.model.kwargs.hidden=16 for a researcher's own
+    # factory (gpt_module.py's model.module) was refused with GPT's kwargs as "valid keys".
+    config = load_config("gpt_module.py", {"model.kwargs.hidden": 16})
+    assert config.model.kwargs.hidden == 16 and config.model.kwargs.size == "small"
+
+
 def test_none_on_the_command_line_is_none(monkeypatch):
     # ml_collections parsed it by the field's type: the string 'None' ("cannot read size
     # 'None'", "unknown dataset 'None'") or the tuple (None,) for boundaries.

@@ -27,7 +27,7 @@ from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
                                        even_boundaries, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule
-from jaxhybrid.schedules.asynchronous import synchronous_view
+from jaxhybrid.schedules.asynchronous import synchronous_view, updates_per_call
 from jaxhybrid.weighted_loss import per_part
 
 PyTree = Any
@@ -320,8 +320,11 @@ class Pipeline(PipelinePlanning, PipelineVariables):
     def _run_step_body(self, loss_fn, train, optimizer, traced, variables, opt_state, inputs,
                        targets, rng):
         rng_arg = raw_key(rng if rng is not None else jax.random.key(0))
-        # A WeightedMean (a mean per token): each microbatch's share of the batch's mean.
-        loss_fn, targets = per_part(loss_fn, targets, self.data * self.num_microbatches)
+        # A WeightedMean (a mean per token): each microbatch's share of the batch's mean,
+        # or under an asynchronous schedule's updates, of its update window's.
+        loss_fn, targets = per_part(loss_fn, targets, self.data * self.num_microbatches,
+                                    data=self.data, windows=updates_per_call(self.schedule)
+                                    if optimizer is not None else 1)
         body = self._train_body(loss_fn, inputs, targets, None if rng is None else rng_arg,
                                 train, optimizer, traced)
         state = {c: variables[c] for c in self.state_collections}
