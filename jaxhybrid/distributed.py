@@ -320,3 +320,27 @@ def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
         signal.signal(signum, handler)
     threading.Thread(target=watch, args=(read_fd,), daemon=True,
                      name="stop_on_signals").start()
+
+
+def place_everywhere(a, sharding, what: str):
+    """A numpy value or a process's own key as one global array on `sharding`: jax.jit
+    reads such an argument as each process's own value, so processes that passed other
+    batches or keys (`fold_in(key, process_index())`) trained on a mix, silently. jax
+    checks that the value is the same on every process; a difference is a ValueError
+    naming `what`. Global jax.Arrays and Python scalars are returned as they are."""
+    import jax
+    key = isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+    if isinstance(a, jax.Array) and (not a.is_fully_addressable or not key and
+                                     len(a.sharding.device_set) > 1):
+        return a        # global already (or committed across devices by the caller)
+    if not key and not isinstance(a, (np.ndarray, jax.Array)):
+        return a
+    data = np.asarray(jax.random.key_data(a) if key else a)
+    try:
+        placed = jax.device_put(data, sharding)
+    except AssertionError as e:   # jax: "... is not the same on each process"
+        raise ValueError(f"{what} differs between processes (jax: not the same on each "
+                         f"process); pass the same global value on every process (a key: "
+                         f"the same seed; a batch: the global batch, or each process's rows "
+                         f"as one global array: jaxhybrid.data.place_batch).") from e
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(a)) if key else placed

@@ -48,6 +48,20 @@ def main():
     report("other cuts", lambda: other.init(jax.random.key(0), x[:2]) and 0.0)
     fresh = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, boundaries=(1, 2, 3))
     report("another init key", lambda: fresh.init(jax.random.key(me), x[:2]) and 0.0)
+    report("the same key", lambda: step(variables, x, y, jax.random.key(3))[0])
+    report("own key", lambda: step(variables, x, y, jax.random.key(me))[0])
+    # Burst: widths planned apart (measured costs differ per process) ran to the end with
+    # a wrong loss or hung; a process's own batch was read as its own value.
+    from jaxhybrid import burst
+    bmesh = jh.make_mesh(data=8, pipe=1)
+    per_layer = pipe.unpack(variables)
+    bvars = burst.replicate(per_layer, bmesh)
+    for case, widths, xb in [("burst same widths", (8, 4, 2, 4, 8), x),
+                             ("burst other widths", (8, 4, 2, 4, 8) if me == 0 else
+                              (8, 2, 4, 4, 8), x),
+                             ("burst own batch", (8, 4, 2, 4, 8), x + me)]:
+        prog = burst.BurstProgram(layers, mse, widths, bmesh, 16)
+        report(case, lambda: burst.value_and_grad(prog, bvars, xb, y, jax.random.key(0))[0])
 
 
 if __name__ == "__main__":

@@ -25,15 +25,26 @@ def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     got = {r["case"]: r for r in (json.loads(l.split("RESULT ", 1)[1])
                                    for l in out.splitlines() if "RESULT " in l)}
-    assert len(got) == 6, out[-4000:]
+    assert len(got) == 11, out[-4000:]
     assert got["the same numpy batch"]["loss"] == got["placed rows"]["loss"]
     for case in ("own rows as numpy", "other numbers"):
         assert got[case]["error"].startswith(
             "Pipeline.value_and_grad: a numpy batch differs between processes"), got[case]
-        assert "jaxhybrid.data.place_batch(rows, pipe.mesh)" in got[case]["error"]
+        assert "jaxhybrid.data.place_batch" in got[case]["error"]
     assert got["other cuts"]["error"].startswith(
         "process 1 built its Pipeline or called pack with boundaries=[2, 3, 4] but process 0 "
         "with [1, 2, 3]"), got["other cuts"]
+    # A key of each process's own (fold_in(key, process_index())): each process had
+    # another loss for the same step, silently.
+    assert "loss" in got["the same key"], got["the same key"]
+    assert got["own key"]["error"].startswith(
+        "Pipeline.value_and_grad: rng differs between processes"), got["own key"]
+    assert "loss" in got["burst same widths"], got["burst same widths"]
+    assert got["burst other widths"]["error"].startswith(
+        "process 1 built its BurstProgram or called burst.value_and_grad with widths="), \
+        got["burst other widths"]
+    assert got["burst own batch"]["error"].startswith(
+        "burst.value_and_grad: a numpy batch differs between processes"), got["burst own batch"]
     # jax's own assertion printed pages of numbers and no cause.
     assert got["another init key"]["error"].startswith(
         "Pipeline.pack: the variables differ between processes"), got["another init key"]

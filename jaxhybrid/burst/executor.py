@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid import distributed
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA, PIPE
 
@@ -351,11 +352,45 @@ def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2, n_ke
                          check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+_AGREED: set = set()     # (program id, call) compared across processes already
+
+
+def on_every_process(program: BurstProgram, call: str, inputs, targets, rng):
+    """With several processes: the programs compared once (widths, batch size, argument
+    shapes; `plan_burst` from measured costs gave other widths per process, and the
+    mismatched programs ran to the end with a wrong loss or hung in gloo), numpy batches
+    and keys placed as global arrays (jax checks they are the same on every process: a
+    process's own batch or key was read as its own value and trained on a mix)."""
+    if jax.process_count() == 1 or any(isinstance(a, jax.core.Tracer)
+                                       for a in jax.tree.leaves((inputs, targets, rng))):
+        return inputs, targets, rng
+    if (id(program), call) not in _AGREED:
+        distributed.check_same_everywhere(
+            {"widths": list(program.widths), "batch_size": program.batch_size,
+             "devices": program.num_devices, "layers": len(program.layers),
+             "arguments": str(jax.tree.map(lambda a: (np.shape(a), str(jnp.result_type(a))),
+                                           (inputs, targets)))},
+            seen=f"built its BurstProgram or called burst.{call} with",
+            fix="plan once and build the program with the same widths on every process "
+                "(plan on process 0 and share its widths: jaxhybrid.distributed.broadcast_json)")
+        _AGREED.add((id(program), call))
+    batch = NamedSharding(program.mesh, P(DATA))
+    inputs, targets = jax.tree.map(lambda a: distributed.place_everywhere(
+        a, batch, f"burst.{call}: a numpy batch"), (inputs, targets))
+    return inputs, targets, distributed.place_everywhere(
+        rng, NamedSharding(program.mesh, P()), f"burst.{call}: rng")
+
+
 def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
     """(loss, grads, new_variables) of one burst step. `variables`: per-layer dicts
     stacked per device (`replicate`); inputs/targets: the global batch (rows split over
     the data axis). grads and new_variables come back stacked per device."""
+    inputs, targets, rng = on_every_process(program, "value_and_grad", inputs, targets, rng)
+    return _value_and_grad(program, variables, inputs, targets, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grad(program: BurstProgram, variables, inputs, targets, rng):
     def body(v, x, t, key):
         params, states = split_variables(_squeeze(v))
         loss, grads, new_states, _ = local_value_and_grad(program, params, states, x, t, key)
@@ -423,6 +458,7 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
     """One burst step plus the optimizer update on every device's copy. Returns
     (loss, new train state: current for the program's widths)."""
     check_stacked("train_state", train_state, program.num_devices)
+    inputs, targets, rng = on_every_process(program, "train_step", inputs, targets, rng)
     loss, new = _train_step(program, optimizer, current_for(program, train_state), inputs,
                             targets, rng)
     return loss, TrainState(new, program.widths)

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.burst.executor import (BurstProgram, TrainState, _squeeze, _stack,
                                       apply_update, check_batch, check_stacked,
-                                      current_for, explicit_value_and_grad, shard, weighed)
+                                      current_for, explicit_value_and_grad,
+                                      on_every_process, shard, weighed)
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA
 
@@ -245,6 +246,8 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     ran none), new bg state). A foreground state trained under other widths is made
     current first (`executor.current_for`)."""
     check_stacked("fg_state", fg_state, mux.fg.num_devices)
+    fg_inputs, fg_targets, fg_rng = on_every_process(mux.fg, "multiplexed_step", fg_inputs,
+                                                     fg_targets, fg_rng)
     loss, fg, bg_losses, bg = _multiplexed_step(
         mux, current_for(mux.fg, fg_state), bg_state, fg_inputs, fg_targets, bg_inputs,
         bg_targets, fg_rng, bg_rng)

@@ -21,7 +21,7 @@ from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_i
                                          check_state_order, checked_mesh, checked_schedule,
                                          checked_layers, checked_zero, on_every_process,
                                          outside_context_mesh,
-                                         rng_hint, TRAIN_STEP_CALL)
+                                         rng_hint, same_key_everywhere, TRAIN_STEP_CALL)
 from jaxhybrid.pipeline.planning import PipelinePlanning
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
@@ -362,6 +362,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         def step(variables, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "value_and_grad")
             inputs, targets = on_every_process(self, "value_and_grad", inputs, targets)
+            rng = same_key_everywhere(self, "value_and_grad", rng)
             with rng_hint("value_and_grad(loss_fn)(variables, inputs, targets, rng=key)"), \
                     self._fit_hint():
                 loss, grads, new_state = jitted(variables, inputs, targets, rng)
@@ -415,6 +416,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state, not self.zero)
             inputs, targets = on_every_process(self, "train_step", inputs, targets)
+            rng = same_key_everywhere(self, "train_step", rng)
             args = (variables, opt_state, inputs, targets, rng)
             with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
                 if self.memory_budget is not None and not budget_checked:
@@ -435,6 +437,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         self._require_vars()
         packing.check_packed(variables, self.abstract_variables(), "apply")
         inputs, = on_every_process(self, "apply", inputs)
+        rng = same_key_everywhere(self, "apply", rng)
         key = ("apply", train, rng is not None)
         if key not in self._cache:
             self._cache[key] = jax.jit(functools.partial(self._apply, train=train))

@@ -268,13 +268,18 @@ def on_every_process(pipe, call: str, *trees):
     sharding = jax.sharding.NamedSharding(pipe.mesh, jax.sharding.PartitionSpec(DATA))
 
     def place(a):
-        if isinstance(a, jax.Array) or not np.ndim(a) or np.shape(a)[0] % pipe.data:
-            return a     # global already, or refused by the step's own checks
-        try:
-            return jax.device_put(np.asarray(a), sharding)
-        except AssertionError as e:   # jax: "... is not the same on each process"
-            raise ValueError(f"Pipeline.{call}: a numpy batch differs between processes "
-                             f"(jax: not the same on each process); pass the same global "
-                             f"batch on every process, or each process's own rows as one "
-                             f"global array: jaxhybrid.data.place_batch(rows, pipe.mesh).") from e
+        if not np.ndim(a) or np.shape(a)[0] % pipe.data:
+            return a     # refused by the step's own checks
+        return distributed.place_everywhere(a, sharding, f"Pipeline.{call}: a numpy batch")
     return tuple(jax.tree.map(place, t) for t in trees)
+
+
+def same_key_everywhere(pipe, call: str, rng):
+    """`rng` as one replicated global key when several processes run the pipeline: a key
+    of each process's own (`fold_in(key, process_index())`) gave each process another
+    loss for the same step, silently. Checked by jax on every call (a few bytes)."""
+    if rng is None or jax.process_count() == 1 or isinstance(rng, jax.core.Tracer):
+        return rng
+    return distributed.place_everywhere(
+        rng, jax.sharding.NamedSharding(pipe.mesh, jax.sharding.PartitionSpec()),
+        f"Pipeline.{call}: rng")
