@@ -344,3 +344,10 @@ def place_everywhere(a, sharding, what: str):
                          f"the same seed; a batch: the global batch, or each process's rows "
                          f"as one global array: jaxhybrid.data.place_batch).") from e
     return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(a)) if key else placed
+
+
+def argument_shapes(trees) -> str:
+    """Shapes and dtypes of `trees` as one comparable string (`check_same_everywhere`)."""
+    import jax
+    import jax.numpy as jnp
+    return str(jax.tree.map(lambda a: (np.shape(a), str(jnp.result_type(a))), trees))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -352,7 +353,9 @@ def shard(program, body, out_specs, n_stacked: int = 1, n_batches: int = 2, n_ke
                          check_vma=False)
 
 
-_AGREED: set = set()     # (program id, call) compared across processes already
+# Per program (weakly: a new program at a freed one's id must be compared too), the
+# calls compared across processes already.
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def on_every_process(program: BurstProgram, call: str, inputs, targets, rng):
@@ -364,16 +367,16 @@ def on_every_process(program: BurstProgram, call: str, inputs, targets, rng):
     if jax.process_count() == 1 or any(isinstance(a, jax.core.Tracer)
                                        for a in jax.tree.leaves((inputs, targets, rng))):
         return inputs, targets, rng
-    if (id(program), call) not in _AGREED:
+    agreed = _AGREED.setdefault(program, set())
+    if call not in agreed:
         distributed.check_same_everywhere(
             {"widths": list(program.widths), "batch_size": program.batch_size,
              "devices": program.num_devices, "layers": len(program.layers),
-             "arguments": str(jax.tree.map(lambda a: (np.shape(a), str(jnp.result_type(a))),
-                                           (inputs, targets)))},
+             "arguments": distributed.argument_shapes((inputs, targets))},
             seen=f"built its BurstProgram or called burst.{call} with",
             fix="plan once and build the program with the same widths on every process "
                 "(plan on process 0 and share its widths: jaxhybrid.distributed.broadcast_json)")
-        _AGREED.add((id(program), call))
+        agreed.add(call)
     batch = NamedSharding(program.mesh, P(DATA))
     inputs, targets = jax.tree.map(lambda a: distributed.place_everywhere(
         a, batch, f"burst.{call}: a numpy batch"), (inputs, targets))

@@ -246,8 +246,7 @@ def same_pipeline_everywhere(pipe, call: str, trees=()) -> None:
          "remat": [[p.stage_remat, list(p.layer_remat)] for p in pipe.programs],
          "zero": bool(pipe.zero), "mesh": dict(pipe.mesh.shape),
          "parameters": dict(pipe.param_len),
-         "arguments": str(jax.tree.map(lambda a: (np.shape(a), str(jnp.result_type(a))),
-                                       tuple(trees)))},
+         "arguments": distributed.argument_shapes(tuple(trees))},
         seen=f"built its Pipeline or called {call} with",
         fix="build the Pipeline with the same arguments on every process and pass the "
             "global batch's shapes")

@@ -54,16 +54,17 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
         split = [d for c in v for d in jax.tree.leaves(dims[i].get(c) or {})]
         takes_split = any(d >= 0 for d in [*split, *jax.tree.leaves(in_dims)])
         try:
-            y_shapes = jax.eval_shape(_forward(layer), v, x)
+            # Traced once: the output's shapes and the precision the layer computes in.
+            jaxpr, y_shapes = jax.make_jaxpr(_forward(layer), return_shape=True)(v, x)
         except flax.errors.InvalidRngError:   # draws in evaluation too (a VAE's sampler)
             # Not compared (its shards draw their own numbers), but the layers after it
             # are: they get its degree-1 output, split as its shards' would be.
             key = jax.random.key(0)
-            y = jax.tree.map(np.asarray, apply_layer(layer, v, x, train=False, rng=key)[0])
+            y = jax.tree.map(np.asarray, _forward(layer, key)(v, x))
             if takes_split:
                 with tensor_parallel.degree(model):
                     y_t = tensor_parallel.eval_shape(
-                        lambda v, x: apply_layer(layer, v, x, train=False, rng=key)[0],
+                        _forward(layer, key),
                         *_shard_vars_and_input(layer, v, dims[i], x, in_dims, model, 0))
                 in_dims = jax.tree.map(_split_dim, y, y_t)
             x = y
@@ -82,7 +83,7 @@ def check_layers(layers: Sequence, per_layer: Sequence[dict], dims: Sequence[dic
         if grads:
             want += want_grads
             dims_of += [dims[i].get("params") or None, in_dims]   # None: nothing split
-        bits = _least_float_bits(layer, v, x)
+        bits = _least_float_bits(jaxpr)
         # The first layer's input gradient is never used (its input is the data).
         for what, w_tree, d_tree, g_tree in list(zip(("outputs", "parameter gradients",
                                                        "input gradients"), want, dims_of,
@@ -109,8 +110,8 @@ def _varied_leaves(tree, seed: int):
     return jax.tree.map(vary, tree)
 
 
-def _forward(layer):
-    return lambda v, x: apply_layer(layer, v, x, train=False)[0]
+def _forward(layer, rng=None):
+    return lambda v, x: apply_layer(layer, v, x, train=False, rng=rng)[0]
 
 
 def _forward_and_pull(layer):
@@ -137,10 +138,9 @@ def _cached_program(make, layer, *args):
     return jax.jit(make(layer, *args))
 
 
-def _least_float_bits(layer, v, x) -> int:
-    """The fewest bits of any floating value the layer computes (16 for a float32 layer
-    that runs its matmuls in bfloat16: `nn.Dense(dtype=jnp.bfloat16)`)."""
-    jaxpr = jax.make_jaxpr(lambda v, x: apply_layer(layer, v, x, train=False)[0])(v, x)
+def _least_float_bits(jaxpr) -> int:
+    """The fewest bits of any floating value a layer's forward `jaxpr` computes (16 for a
+    float32 layer that runs its matmuls in bfloat16: `nn.Dense(dtype=jnp.bfloat16)`)."""
     avals = [o.aval for e in jaxpr.jaxpr.eqns for o in e.outvars]
     return min([jnp.finfo(a.dtype).bits for a in avals
                 if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)], default=32)
