@@ -62,6 +62,26 @@ def main():
                              ("burst own batch", (8, 4, 2, 4, 8), x + me)]:
         prog = burst.BurstProgram(layers, mse, widths, bmesh, 16)
         report(case, lambda: burst.value_and_grad(prog, bvars, xb, y, jax.random.key(0))[0])
+    # Multiplexing: the background rows and key were read as each process's own values.
+    import optax
+
+    from jaxhybrid.burst import multiplex
+    opt = optax.sgd(0.1)
+    prog = burst.BurstProgram(layers, mse, (8, 4, 2, 4, 8), bmesh, 16)
+    mux = multiplex.MuxProgram(prog, opt, multiplex.BackgroundJob(layers[:2], mse, opt, 2))
+    fts = burst.init_train_state(opt, per_layer, bmesh)
+    bts = burst.init_train_state(opt, per_layer[:2], bmesh)
+    bx, by = rs.randn(8, 2, 8).astype(np.float32), rs.randn(8, 2, 8).astype(np.float32)
+
+    def bg_loss(bx, bkey):
+        out = multiplex.multiplexed_step(mux, fts, bts, x, y, bx, by, jax.random.key(0), bkey)
+        return jnp.sum(out[2])
+    for case, bxs, bkey in [("mux same", bx, jax.random.key(1)),
+                            ("mux own bg rows", bx + me, jax.random.key(1)),
+                            ("mux own bg key", bx, jax.random.key(me))]:
+        report(case, lambda: bg_loss(bxs, bkey))
+    report("bg alone own rows", lambda: jnp.sum(
+        multiplex.background_step(mux, bts, bx + me, by, jax.random.key(1))[0]))
 
 
 if __name__ == "__main__":

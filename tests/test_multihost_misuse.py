@@ -25,7 +25,7 @@ def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     got = {r["case"]: r for r in (json.loads(l.split("RESULT ", 1)[1])
                                    for l in out.splitlines() if "RESULT " in l)}
-    assert len(got) == 11, out[-4000:]
+    assert len(got) == 15, out[-4000:]
     assert got["the same numpy batch"]["loss"] == got["placed rows"]["loss"]
     for case in ("own rows as numpy", "other numbers"):
         assert got[case]["error"].startswith(
@@ -45,6 +45,14 @@ def test_numpy_batches_and_cuts_must_be_the_same_on_every_process():
         got["burst other widths"]
     assert got["burst own batch"]["error"].startswith(
         "burst.value_and_grad: a numpy batch differs between processes"), got["burst own batch"]
+    # A process's own background rows or key trained each instance on a mix, silently.
+    assert "loss" in got["mux same"], got["mux same"]
+    assert got["mux own bg rows"]["error"].startswith(
+        "burst.multiplexed_step: a numpy batch differs between processes"), got["mux own bg rows"]
+    assert got["mux own bg key"]["error"].startswith(
+        "burst.multiplexed_step: bg_rng differs between processes"), got["mux own bg key"]
+    assert got["bg alone own rows"]["error"].startswith(
+        "burst.background_step: a numpy batch differs"), got["bg alone own rows"]
     # jax's own assertion printed pages of numbers and no cause.
     assert got["another init key"]["error"].startswith(
         "Pipeline.pack: the variables differ between processes"), got["another init key"]

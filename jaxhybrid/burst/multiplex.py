@@ -30,8 +30,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid import distributed
 from jaxhybrid.burst.executor import (BurstProgram, TrainState, _squeeze, _stack,
                                       apply_update, check_batch, check_stacked,
                                       current_for, explicit_value_and_grad,
@@ -246,8 +248,12 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     ran none), new bg state). A foreground state trained under other widths is made
     current first (`executor.current_for`)."""
     check_stacked("fg_state", fg_state, mux.fg.num_devices)
-    fg_inputs, fg_targets, fg_rng = on_every_process(mux.fg, "multiplexed_step", fg_inputs,
-                                                     fg_targets, fg_rng)
+    # The background rows [G, b, ...] split over "data" like the foreground's: placed and
+    # compared across processes with them (a process's own background rows trained each
+    # device's instance on a mix, silently).
+    (fg_inputs, bg_inputs), (fg_targets, bg_targets), fg_rng = on_every_process(
+        mux.fg, "multiplexed_step", (fg_inputs, bg_inputs), (fg_targets, bg_targets), fg_rng)
+    bg_rng = _placed_key(mux, bg_rng, "multiplexed_step")
     loss, fg, bg_losses, bg = _multiplexed_step(
         mux, current_for(mux.fg, fg_state), bg_state, fg_inputs, fg_targets, bg_inputs,
         bg_targets, fg_rng, bg_rng)
@@ -292,10 +298,24 @@ def _multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets
         fg_state, bg_state, fg_inputs, fg_targets, bg_inputs, bg_targets, fg_rng, bg_rng)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
 def background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
     """The background job alone on the devices that run it in `mux` (the others skip):
     what the multiplexed step saves against."""
+    _, (bg_inputs, bg_targets), bg_rng = on_every_process(
+        mux.fg, "background_step", None, (bg_inputs, bg_targets), bg_rng)
+    return _background_step(mux, bg_state, bg_inputs, bg_targets, bg_rng)
+
+
+def _placed_key(mux: MuxProgram, rng, call: str):
+    """`rng` as one global key (see `executor.on_every_process`)."""
+    if jax.process_count() == 1 or isinstance(rng, jax.core.Tracer):
+        return rng
+    return distributed.place_everywhere(rng, NamedSharding(mux.fg.mesh, P()),
+                                        f"burst.{call}: bg_rng")
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
     runs = jnp.asarray(mux.runs_background)
 
     def body(bts, bx, bt, brng):
