@@ -75,7 +75,7 @@ def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)
         weight += float(count)
-    return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+    return {f"eval_{k}": v / (weight if weight > 0 else 1.0) for k, v in totals.items()}
 
 
 # --- metrics output -----------------------------------------------------------------
@@ -113,7 +113,10 @@ class MetricWriter:
         os.replace(partial, self.path)
         # Purged from step 1 too: a fresh start in a workdir whose run crashed before its
         # first checkpoint would else show that run's steps beside the new ones.
-        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1)
+        # flush_secs=1: tensorboardX's writer thread puts events on disk within a second
+        # (by default 2 minutes: a killed run lost that many steps' events for good, as
+        # the resume purges only the steps after its checkpoint).
+        self.tb = SummaryWriter(str(workdir), purge_step=start_step + 1, flush_secs=1)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:

@@ -46,7 +46,14 @@ class WeightedMean(abc.ABC):
         targets alone."""
 
     def __call__(self, outputs, targets):
-        return self.total(outputs, targets) / jnp.maximum(self.weight(targets), 1)
+        return self.total(outputs, targets) / nonzero(self.weight(targets))
+
+
+def nonzero(weight):
+    """`weight`, 1 where it is 0 (a batch of padding only: its total is 0 too). Not
+    max(weight, 1): fractional weights (importance weights summing to 0.16) made the
+    weighted mean a weighted sum, its gradient 6x too small."""
+    return jnp.where(weight > 0, weight, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +80,11 @@ def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
         return loss_fn, targets
     rows = jax.tree.leaves(targets)[0].shape[0]
     if windows == 1:
-        weight = jnp.maximum(jnp.asarray(loss_fn.weight(targets), loss_dtype()), 1)
+        weight = nonzero(jnp.asarray(loss_fn.weight(targets), loss_dtype()))
         return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / weight)
     cut = lambda a: a.reshape(data, windows, rows // (data * windows), *a.shape[1:])
     weight_of = lambda t: jnp.asarray(loss_fn.weight(t), loss_dtype())
     per_window = jnp.sum(jax.vmap(jax.vmap(weight_of))(jax.tree.map(cut, targets)), axis=0)
-    scale = (parts / windows) / jnp.maximum(per_window, 1)                  # [windows]
+    scale = (parts / windows) / nonzero(per_window)                         # [windows]
     rows_scale = jnp.broadcast_to(scale[None, :, None], (data, windows, rows // (data * windows)))
     return _Share(loss_fn), (targets, rows_scale.reshape(rows))

@@ -274,3 +274,46 @@ def test_gpt_refuses_sequences_longer_than_its_positions():
     with pytest.raises(ValueError, match=r"sequences of 65 tokens, but the model has "
                                          r"max_positions=64.*data.options.seq_len <= 64"):
         spec.layers[0].init(jax.random.key(0), tokens)
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_classification_losses_ignore_padding_labels_on_any_layout(aux):
+    # Labels -1 (padding) bunched in some microbatches: the loss was a mean of the
+    # microbatches' masked means, 4x too small at data x M = 4 (an all-padding microbatch
+    # counted 0); it is the batch's mean over its labelled examples on every layout.
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    from jaxhybrid.models.inception import _Loss
+    layers = [nn.Dense(8), nn.Dense(5)]
+    if aux:
+        class TwoHeads(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return {"logits": nn.Dense(5)(x), "aux_logits": nn.Dense(5)(x)}
+        layers = [nn.Dense(8), TwoHeads()]
+    loss_fn = _Loss(0.3) if aux else models.spec.classification_loss
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.randn(16, 6), jnp.float32)
+    labels = jnp.asarray(np.r_[rs.randint(0, 5, 4), -np.ones(12, int)], jnp.int32)
+    ref_pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=1), num_microbatches=1)
+    per_layer = ref_pipe.unpack(ref_pipe.init(jax.random.key(0), x))
+
+    def whole(params):
+        h = x
+        for layer, p in zip(layers, params):
+            h = layer.apply({"params": p}, h)
+        heads = [(h["logits"], 1.0), (h["aux_logits"], 0.3)] if aux else [(h, 1.0)]
+        keep = labels >= 0
+        nll = lambda z: -jnp.take_along_axis(jax.nn.log_softmax(z), jnp.where(
+            keep, labels, 0)[:, None], 1)[:, 0]
+        return sum(w * jnp.sum(nll(z) * keep) for z, w in heads) / keep.sum()
+    want, g_want = jax.value_and_grad(whole)([v["params"] for v in per_layer])
+    for data, pipe_size, M in [(2, 1, 2), (4, 1, 1), (1, 2, 4)]:
+        pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=data, pipe=pipe_size),
+                           num_microbatches=M, boundaries=[1][:pipe_size - 1])
+        v = pipe.pack(per_layer)
+        loss, g, _ = pipe.value_and_grad(loss_fn)(v, x, labels)
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves([v["params"] for v in pipe.unpack(g)]),
+                        jax.tree.leaves(g_want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

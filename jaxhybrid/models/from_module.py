@@ -29,7 +29,7 @@ from jaxhybrid.weighted_loss import WeightedMean
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
 LOSSES = {
     "classification": lambda info: (
-        EnoughScores(classification_loss, info.get("num_classes"), "classes"),
+        WeightedEnoughScores(classification_loss, info.get("num_classes"), "classes"),
         classification_metrics),
     "token": lambda info: (
         WeightedEnoughScores(TokenLoss(info.get("pad_id")), info.get("vocab_size"), "tokens"),
@@ -78,8 +78,8 @@ class EnoughScores:
 
 
 class WeightedEnoughScores(EnoughScores, WeightedMean):
-    """EnoughScores of a WeightedMean (the token loss), itself one: the step weighs the
-    whole batch's tokens alike."""
+    """EnoughScores of a WeightedMean (the classification and token losses), itself one:
+    the step weighs the whole batch's labelled examples or tokens alike."""
 
     def total(self, outputs, targets):
         self._check(outputs)

@@ -16,6 +16,7 @@ the loss adds 0.4 x the auxiliary cross-entropy (torchvision's training recipe).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -23,6 +24,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxhybrid.models.spec import image_sample_batch
+from jaxhybrid.weighted_loss import WeightedMean
 from jaxhybrid.models.spec import (ModelSpec, check_overrides, classification_loss,
                                    classification_metrics, dense_init, logical, normal_init,
                                    ones_init,
@@ -245,13 +247,20 @@ class PoolThen(nn.Module):
         return self.block(_max3s2(x), train)
 
 
-def _loss(aux_weight):
-    def loss_fn(outputs, labels):
+@dataclasses.dataclass(frozen=True)
+class _Loss(WeightedMean):
+    """Cross-entropy of the logits plus `aux_weight` x that of the auxiliary head's, per
+    labelled example of the whole batch (a WeightedMean, as `classification_loss`)."""
+    aux_weight: float
+
+    def total(self, outputs, labels):
         if isinstance(outputs, dict):
-            return (classification_loss(outputs["logits"], labels)
-                    + aux_weight * classification_loss(outputs["aux_logits"], labels))
-        return classification_loss(outputs, labels)
-    return loss_fn
+            return (classification_loss.total(outputs["logits"], labels)
+                    + self.aux_weight * classification_loss.total(outputs["aux_logits"], labels))
+        return classification_loss.total(outputs, labels)
+
+    def weight(self, labels):
+        return classification_loss.weight(labels)
 
 
 def _metrics(outputs, labels):
@@ -268,6 +277,6 @@ def build(size: str, **overrides) -> ModelSpec:
         raise ValueError(f"inception_v3: aux_head needs image_size >= {MIN_AUX_IMAGE_SIZE}, "
                          f"got {cfg['image_size']}.")
     return ModelSpec(name="inception_v3", size=size, config=cfg, layers=make_layers(cfg),
-                     loss_fn=_loss(cfg["aux_weight"]), metrics_fn=_metrics,
+                     loss_fn=_Loss(cfg["aux_weight"]), metrics_fn=_metrics,
                      task="classification",
                      sample_batch=functools.partial(image_sample_batch, cfg))
