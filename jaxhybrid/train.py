@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import pathlib
 import time
@@ -28,7 +27,7 @@ import optax
 from absl import logging
 from jax.sharding import NamedSharding
 
-from jaxhybrid import checkpoint, data, distributed, startup, step_memory
+from jaxhybrid import checkpoint, data, distributed, startup, step_memory, stopping
 from jaxhybrid import workdir as workdir_
 from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
@@ -37,10 +36,7 @@ from jaxhybrid.pipeline import async_weights
 # ConfigError and Run are part of this module's interface too (scripts, tests).
 from jaxhybrid.run_setup import ConfigError, Run, build_pipeline, prepare, require  # noqa: F401
 from jaxhybrid.schedules import asynchronous
-
-
-class TrainingDiverged(FloatingPointError):
-    """The loss or gradient became NaN/Inf; the message names the step."""
+from jaxhybrid.stopping import TrainingDiverged  # noqa: F401 (train.TrainingDiverged)
 
 
 def _updates_per_step(pipe) -> int:
@@ -338,6 +334,13 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
         if main:
             logging.info("resumed from %s at step %d (saved on %s)", ckpt.directory, start,
                          meta.get("layout"))
+            if meta.get("train_steps", t.steps) != t.steps:
+                # The learning rate decays to 0 at train.steps: a run of 200 steps resumed
+                # for 400 is not the uninterrupted 400-step run, and nothing said so.
+                logging.warning("resumed with train.steps=%d, saved under train.steps=%d: the "
+                                "learning-rate schedule (cosine to 0 at train.steps) changes "
+                                "from step %d on; steps 1-%d followed the old one.",
+                                t.steps, meta["train_steps"], start + 1, start)
     phases.stop("init")
     return _Begun(run, state, masks, train_step, start, train_rng, ckpt, loss_window)
 
@@ -392,6 +395,8 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
         itertools.islice(run.train_batches(start=b.start), max(t.steps - b.start, 0)), run.mesh)
     rng_data = [int(x) for x in np.asarray(jax.random.key_data(b.train_rng)).reshape(-1)]
     final, window, last_saved = {"step": b.start}, list(b.loss_window), b.ckpt.latest_step()
+    meta = lambda step: {"rng": rng_data, "data_position": step, "loss_window": list(window),  # noqa: E731
+                         "train_steps": t.steps}
     done = b.start                          # the step `state` is after
     timed = 0                               # steps since `tick` (not the window's restored)
     tick = time.time()
@@ -399,14 +404,21 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
     bar = tqdm(total=t.steps, initial=b.start, desc="train", unit="step",
                disable=None if writer is not None else True)
     trace = ProfilerTrace(config.profile, workdir, b.start + 1)
-    steps = _steps_until_stopped(b.start + 1, t.steps)
+    steps = stopping.steps_until_stopped(b.start + 1, t.steps)
     try:
         for step in steps:
             trace.before(step)
-            batch = next(batches, None)
-            if batch is None:
-                raise ValueError(f"train: the training data ran out after {step - 1} steps; "
-                                 f"train_data() must yield train.steps={t.steps} batches.")
+            try:
+                batch = next(batches, None)
+                if batch is None:
+                    raise ValueError(f"train: the training data ran out after {step - 1} "
+                                     f"steps; train_data() must yield train.steps={t.steps} "
+                                     f"batches.")
+            except Exception:
+                # A bad batch (a short last one, a stream that ends) ended the run with
+                # every step since the last checkpoint lost (all of them by default).
+                last_saved = stopping.save_stopped(b, state, done, last_saved, meta(done))
+                raise
             inputs, targets = batch
             with phases("first step") if step == b.start + 1 else contextlib.nullcontext():
                 new_state, m = b.train_step(state, b.masks, inputs, targets,
@@ -414,7 +426,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 m = {k: float(v) for k, v in m.items()}
             if step == b.start + 1 and writer is not None:
                 logging.info(phases.summary())
-            _check_finite(m, step, t, last_saved, b.ckpt)
+            stopping.check_finite(m, step, t, last_saved, b.ckpt)
             state, done = new_state, step
             window.append(m["loss"])
             timed += 1
@@ -433,8 +445,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
             # the metrics cannot take) lost every step since the last checkpoint.
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                 saving = time.time()
-                b.ckpt.save(step, run.pipe, state, {"rng": rng_data, "data_position": step,
-                                                    "loss_window": list(window)})
+                b.ckpt.save(step, run.pipe, state, meta(step))
                 last_saved = step                 # once saved (a stop may cut the save)
                 tick += time.time() - saving                            # not a step's time
             if record is not None:
@@ -447,43 +458,13 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
         if b.start >= t.steps:              # nothing left to train: report the saved state
             final = {"step": b.start, **evaluate(run, state["variables"], t.eval_steps)}
     except KeyboardInterrupt:               # Ctrl-C, or SIGTERM (distributed.stop_on_signals)
-        # A second signal may land inside a step, after its state was donated to it.
-        whole = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
-        if done > (last_saved or 0) and jax.process_count() == 1 and whole:
-            last_saved = done
-            b.ckpt.save(done, run.pipe, state, {"rng": rng_data, "data_position": done,
-                                                "loss_window": list(window)})
-        logging.warning("stopped after step %d; the last checkpoint is step %s (the "
-                        "same command resumes from it)", done, last_saved)
+        stopping.save_stopped(b, state, done, last_saved, meta(done))
         raise
     finally:
         steps.close()                       # signals are raised at once again
         trace.close()
         bar.close()
     return final
-
-
-def _steps_until_stopped(first: int, last: int):
-    """first .. last, under `distributed.signals_deferred`: a stop signal ends the run
-    after the step in flight, its record and its checkpoint (KeyboardInterrupt then)."""
-    with distributed.signals_deferred():
-        for step in range(first, last + 1):
-            yield step
-            if distributed.stop_requested():
-                raise KeyboardInterrupt(distributed.stop_requested())
-
-
-def _check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
-    """Stops a diverged run before it is checkpointed. The updated parameters count too:
-    a finite loss with an overflowing update would otherwise be saved before the next
-    step's loss shows it."""
-    if not all(map(math.isfinite, m.values())):
-        raise TrainingDiverged(
-            f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
-            f"{m['grad_norm']}, param_norm={m['param_norm']}): the run diverged; lower "
-            f"train.learning_rate (now {t.learning_rate}) or set train.grad_clip_norm; "
-            + (f"last checkpoint: step {last_saved} in {ckpt.directory}." if last_saved
-               else f"no checkpoint was saved in {ckpt.directory}."))
 
 
 def _masks(pipe, t, variables=None) -> tuple:

@@ -128,6 +128,16 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(reference, tm
     assert final["eval_loss"] == ref_final["eval_loss"]
 
 
+def test_a_resume_under_another_train_steps_says_the_schedule_changed(reference, tmp_path,
+                                                                      caplog):
+    # The learning rate decays to 0 at train.steps: 6 steps resumed for 7 is not a
+    # 7-step run, and nothing said so (a probe's spectrain run: other losses from step 2).
+    shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")
+    train.train_and_evaluate(gpt_config(**{"train.steps": 7}), tmp_path)
+    assert "resumed with train.steps=7, saved under train.steps=6" in caplog.text
+    assert "changes from step 7 on" in caplog.text
+
+
 def test_a_stopped_run_saves_its_last_step_and_resumes_from_it(reference, tmp_path,
                                                                monkeypatch):
     # SIGTERM (a preemption, launch_local's stop) killed the run at once: the steps
@@ -258,9 +268,12 @@ def test_own_data_streams_replace_the_dataset(reference, tmp_path):
     assert losses(tmp_path) == losses(ref_dir)          # the same stream as the config's
     assert final["eval_loss"] != ref_final["eval_loss"]  # masked rows are left out
     assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
-    with pytest.raises(ValueError, match=r"ran out after 3 steps"):
+    with pytest.raises(ValueError, match=r"ran out after 2 steps"):
         train.train_and_evaluate(config, tmp_path / "short",
-                                 train_data=lambda: itertools.islice(ds["train"].batches(), 3))
+                                 train_data=lambda: itertools.islice(ds["train"].batches(), 2))
+    # The two steps trained are kept: a stream that ends (or a bad batch) lost every
+    # step since the last checkpoint (checkpoint.every=3 here), all of them by default.
+    assert checkpoint.Checkpointer(tmp_path / "short" / "checkpoints", keep=2).all_steps() == [2]
 
 
 def test_resumed_run_traces_what_is_left_of_the_profile_window(tmp_path, caplog):
@@ -306,6 +319,45 @@ def test_fresh_start_in_a_used_workdir_purges_the_old_events(tmp_path):
     assert len(files) == 2 and _session_starts(files[-1]) == [1]
     assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] \
         == [1, 2]
+
+
+def _scalar_steps(event_file) -> list[int]:
+    from tensorboardX.proto.event_pb2 import Event
+    data, out, i = pathlib.Path(event_file).read_bytes(), [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 8], "little")
+        event = Event.FromString(data[i + 12:i + 12 + n])
+        i += 16 + n
+        out += [event.step] * len(event.summary.value)
+    return out
+
+
+def test_each_record_is_in_the_events_before_the_run_ends(tmp_path):
+    # A killed run lost the events tensorboardX had buffered (up to 2 minutes of them)
+    # for good: the resume purges only steps after its checkpoint, and never rewrote them.
+    from jaxhybrid.metrics import MetricWriter
+    writer = MetricWriter(tmp_path, start_step=0)
+    for step in (1, 2):
+        writer.write({"step": step, "train_loss": 1.0})
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    for _ in range(50):                          # not closed: as a SIGKILL would leave it
+        if _scalar_steps(events) == [1, 2]:
+            break
+        time.sleep(0.1)
+    assert _scalar_steps(events) == [1, 2]
+    writer.close()
+
+
+def test_a_nan_loss_with_finite_gradients_names_the_targets():
+    # A label past the model's classes (own train_data, no num_classes to check against)
+    # gave a NaN loss with finite gradients, blamed on the learning rate.
+    t, ckpt = types.SimpleNamespace(learning_rate=0.1), types.SimpleNamespace(directory="ck")
+    with pytest.raises(train.TrainingDiverged, match="check the targets .*label past"):
+        train.stopping.check_finite({"loss": float("nan"), "grad_norm": 1.0, "param_norm": 2.0}, 1, t,
+                            None, ckpt)
+    with pytest.raises(train.TrainingDiverged, match="diverged; lower train.learning_rate"):
+        train.stopping.check_finite({"loss": float("nan"), "grad_norm": float("nan"),
+                             "param_norm": 2.0}, 1, t, None, ckpt)
 
 
 def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):
