@@ -78,11 +78,11 @@ def model_split_dims(boxed: Any) -> Any:
     """Boxed flax variables -> the same tree with, per leaf, the dimension split over
     "model" by `MODEL_RULES` (-1: replicated; also for unannotated leaves)."""
     def dim(leaf):
+        # With two names on "model" (GSPMD's ("mlp", "heads") kernel) the first: only a
+        # guess, which what the layer builds replaces (`variable_split_dims`); it was
+        # refused, though a layer that builds such a leaf whole runs replicated.
         names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else ()
         split = [i for i, n in enumerate(names) if n in TENSOR_PARALLEL_AXES]
-        if len(split) > 1:
-            raise ValueError(f"model_split_dims: a leaf with logical axes {names} splits "
-                             f"{len(split)} dimensions over 'model'; at most one may.")
         return split[0] if split else -1
     return jax.tree.map(dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 

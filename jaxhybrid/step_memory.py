@@ -40,7 +40,8 @@ def over_budget(need: float, budget, planned: float | None, recomputes_all: bool
         return None
     fix = f"set {remat_full} (recompute every stage), or {MORE_STAGES}"
     more = ("" if recomputes_all else f"lower the budget by "
-            f"{fmt_bytes(need - parse_bytes(budget))} to have the planner recompute more, or ")
+            f"{fmt_bytes(need - parse_bytes(budget))} to have the planner recompute more (if "
+            f"it then refuses the budget, recomputing everything cannot meet it), or ")
     return (f"the compiled step needs {fmt_bytes(need)} per device, over memory_budget="
             f"{budget} (the planner's model: {fmt_bytes(planned) if planned else 'not planned'}"
             f"); {more}{MORE_STAGES if recomputes_all else fix}.")

@@ -165,10 +165,11 @@ def main(argv):
             one = len(bad) == 1
             raise ValueError(
                 f"--devices: N={','.join(map(str, bad))} {'has' if one else 'have'} no hybrid "
-                f"layout to compare DP-only with (it needs a pipe > 1 dividing N, at most "
-                f"{deepest}: the model's {layers} layers"
+                f"layout to compare DP-only with (it needs a model degree from --model_degrees="
+                f"{','.join(map(str, FLAGS.model_degrees))} dividing N, and then a pipe > 1 "
+                f"dividing the rest, at most {deepest}: the model's {layers} layers"
                 + (f", --max_pipe={FLAGS.max_pipe}" if FLAGS.max_pipe else "")
-                + ", or a --model_degrees entry > 1 dividing N); drop " + ("it" if one else "them")
+                + ", or a model degree > 1); drop " + ("it" if one else "them")
                 + (" or raise --max_pipe." if FLAGS.max_pipe and FLAGS.max_pipe < layers else "."))
         if not set(FLAGS.zero) <= {0, 1}:
             raise ValueError(f"--zero={','.join(map(str, FLAGS.zero))}: ZeRO settings are 0 "

@@ -668,6 +668,23 @@ def test_a_weighted_mean_is_the_whole_batchs_on_any_layout(schedule):
         _close(g_ref, g_want)
 
 
+def test_a_weighted_mean_of_fractional_weights_is_a_mean():
+    # Importance weights summing to less than 1 were divided by max(weight, 1) = 1: a
+    # weighted sum, the loss and gradients x the batch's weight (0.16: a 6x smaller step).
+    mask = 0.01 * jnp.asarray(np.random.RandomState(3).rand(8, 4), jnp.float32)
+    t = {"y": Y, "mask": mask}
+    pipe, v = _dense_pipe()
+    per_layer = pipe.unpack(v)
+    whole = lambda params: jnp.sum(mask * (_sequential(DENSE, [{"params": p} for p in params], X)
+                                           - Y) ** 2) / mask.sum()
+    want, g_want = jax.value_and_grad(whole)([l["params"] for l in per_layer])
+    loss, g, _ = pipe.value_and_grad(MaskedMSE())(v, X, t)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    _close([l.get("params", {}) for l in pipe.unpack(g)], g_want)
+    out = _sequential(DENSE, per_layer, X)
+    np.testing.assert_allclose(float(MaskedMSE()(out, t)), float(want), rtol=1e-5)
+
+
 def test_a_users_context_mesh_changes_nothing():
     # JAX 0.10's way to make a mesh current, jax.set_mesh, around every call: the
     # stages traced under its Auto axes failed when replayed in the step's shard_map
@@ -730,3 +747,14 @@ def test_an_asynchronous_update_takes_its_own_windows_weighted_mean():
                                       {"y": Y[rows], "mask": mask[rows]})
         params = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
     _close([layer["params"] for layer in pipe.unpack(v)], params)
+
+
+def test_targets_that_are_not_per_example_name_the_fix():
+    # targets=None for a loss that ignores them said only "targets is empty"; a 0-d
+    # target was sent to call_kwargs=, which is for layers, not the loss.
+    pipe, v = _dense_pipe()
+    step = pipe.value_and_grad(lambda out, t: jnp.mean(out ** 2))
+    with pytest.raises(ValueError, match=r"targets is empty .*np.zeros\(batch_size\)"):
+        step(v, X, None)
+    with pytest.raises(ValueError, match=r"as a constant \(the loss's: in loss_fn itself\)"):
+        step(v, X, {"y": Y, "temperature": jnp.asarray(2.0)})

@@ -83,6 +83,10 @@ def test_device_counts_without_a_hybrid_and_no_crossover():
     bad = _run("--model=inception_v3", "--devices=2,8", "--max_pipe=1", "--out=")
     assert bad.returncode != 0 and "N=2,8 have no hybrid layout" in bad.stderr
     assert "raise --max_pipe" in bad.stderr
+    # A model degree dividing no N named a pipe dividing N as missing (pipe 2 divides 8).
+    bad = _run("--model=inception_v3", "--devices=8", "--model_degrees=3", "--out=")
+    assert bad.returncode != 0 and "a model degree from --model_degrees=3 dividing N" \
+        in bad.stderr
     out = _run("--model=inception_v3", "--devices=2,3", "--out=")
     assert out.returncode == 0, out.stderr
     assert "no crossover (hybrid wins at no N in 2,3)" in out.stdout

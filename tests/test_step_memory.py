@@ -120,3 +120,9 @@ def test_pipeline_train_step_warns_when_its_compiled_step_is_over_the_budget(mon
     with pytest.warns(UserWarning, match=r"Pipeline.train_step: the compiled step needs "
                                          r"3(\.\d+)?GB per device, over memory_budget=1GB"):
         step(variables, pipe.init_optimizer(opt, variables), x, y)
+    # Each batch size is checked: a later, larger batch than the first call's (and than
+    # init's sample, which the plan is for) compiled 3.4x over the budget, unchecked.
+    x2, y2 = np.concatenate([x, x]), np.concatenate([y, y])
+    with pytest.warns(UserWarning, match=r"the plan is for microbatches of 4 rows \(init's "
+                                         r"sample_inputs\), this step's have 8"):
+        step(variables, pipe.init_optimizer(opt, variables), x2, y2)

@@ -139,6 +139,18 @@ def test_split_dims_follow_what_the_layer_builds():
         def __call__(self, x):
             k = self.param("k", INIT, (WIDTH - (tp.size() > 1), tp.local(HIDDEN, "hidden")))
             return tp.reduce_from_model(x[..., :k.shape[0]] @ k).sum(-1, keepdims=True) + x
+    class TwoNames(nn.Module):   # GSPMD names on both dims: built whole, or split in one
+        split: bool
+
+        @nn.compact
+        def __call__(self, x):
+            cols = tp.local(HIDDEN, "hidden") if self.split else HIDDEN
+            k = self.param("k", LP(INIT, ("mlp", "heads")), (WIDTH, cols))
+            h = (tp.copy_to_model(x) if self.split else x) @ k
+            return tp.reduce_from_model(h).sum(-1, keepdims=True) if self.split else h
+    # Refused by the names ("splits 2 dimensions over 'model'") before the layer was asked.
+    assert variable_split_dims(TwoNames(False), x)[1]["params"] == {"k": -1}
+    assert variable_split_dims(TwoNames(True), x)[1]["params"] == {"k": 1}
     with pytest.raises(ValueError, match=r"Shrinks\['params'\]\['k'\] has shape \(8, 16\) at "
                                          r"model degree 1 but \(7, 8\) at degree 2; split one"):
         variable_split_dims(Shrinks(), x)
@@ -404,3 +416,41 @@ def test_correct_layers_are_not_refused(layers):
     pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2, model=2), num_microbatches=2,
                        boundaries=[1])
     pipe.init(jax.random.key(0), jax.random.randint(RNG, (8, 6), 0, VOCAB))
+
+
+class GeneralQKV(nn.Module):
+    """A head-parallel projection written as MaxText writes it: a DenseGeneral whose
+    kernel carries 4-D logical names (flax keeps it flat and constrains it under rules)."""
+    @nn.compact
+    def __call__(self, x):
+        heads = tp.local(4, "heads")
+        qkv = nn.DenseGeneral((heads, 3, 2), kernel_init=LP(SMALL, ("embed", "heads", "qkv", "kv")),
+                              name="qkv")(tp.copy_to_model(x))
+        wo = self.param("wo", LP(SMALL, ("heads", "qkv", "kv", "embed")), (heads, 3, 2, WIDTH))
+        return x + tp.reduce_from_model(jnp.einsum("bthqk,hqke->bte", qkv, wo))
+
+
+@pytest.mark.parametrize("rules", [
+    (("batch", "data"), ("heads", "model"), ("mlp", "model")),   # tensor-parallel rules
+    (("batch", "data"), ("embed", "data")),                       # FSDP-style
+    (("mlp", "tensor"),)])                                        # an axis the mesh lacks
+def test_a_users_logical_axis_rules_change_nothing(rules):
+    # A researcher's own nn.logical_axis_rules around the calls turned the layers'
+    # logical constraints into constraints over the step's manual axes: jax's "only valid
+    # for values of rank at least 4" (the fused kernel) or "data is not found in mesh".
+    layers = [Embed(), GeneralQKV(), GatheredHead()]
+    inputs, targets = batch(8, 3)
+    make = lambda: jp.Pipeline(layers, mesh=jh.make_mesh(data=2, pipe=2, model=2),
+                               num_microbatches=2, boundaries=[2], remat="none")
+    pipe = make()
+    variables = pipe.init(jax.random.key(0), inputs[:2])
+    want = pipe.value_and_grad(loss_fn)(variables, inputs, targets)[:2]
+    want_out = pipe.apply(variables, inputs)
+    opt = optax.adam(1e-2)
+    with nn.logical_axis_rules(rules):
+        pipe = make()          # traced under the rules
+        again = pipe.init(jax.random.key(0), inputs[:2])
+        _close(again, variables)
+        _close(pipe.value_and_grad(loss_fn)(again, inputs, targets)[:2], want)
+        _close(pipe.apply(again, inputs), want_out)
+        pipe.train_step(loss_fn, opt)(again, pipe.init_optimizer(opt, again), inputs, targets)

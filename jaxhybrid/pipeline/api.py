@@ -92,7 +92,9 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         self._degree_checked = False   # `degree_check` ran on the first packed values
         if self.model > 1 and self.splitter is not None:
             raise ValueError("Pipeline: a mesh with model > 1 needs a list of layers (the "
-                             "tensor-parallel layouts come from each layer's init).")
+                             "tensor-parallel layouts come from each layer's init): pass the "
+                             "model's blocks as layers written with jaxhybrid.tensor_parallel "
+                             "(docs/pipeline.md), or use a mesh with model=1.")
         self.pipe_size = int(mesh.shape[PIPE])
         self.data = int(mesh.shape[DATA])
         self.zero = checked_zero(zero)
@@ -410,7 +412,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             return loss, grads, {**variables, **new_state, "params": params}, opt_state
 
         jitted = jax.jit(_step)
-        budget_checked: list = []
+        budget_checked: set = set()   # the batch sizes whose step was checked
 
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
@@ -419,9 +421,13 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             rng = same_key_everywhere(self, "train_step", rng)
             args = (variables, opt_state, inputs, targets, rng)
             with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
-                if self.memory_budget is not None and not budget_checked:
-                    budget_checked.append(True)   # the first call's step, compiled ahead
-                    self._warn_over_budget(jitted.lower(*args).compile())
+                rows = batch_size_of(inputs, "inputs")
+                if self.memory_budget is not None and rows not in budget_checked:
+                    # Compiled ahead, once per batch size: a later, larger batch than the
+                    # first call's needed 3.4x the budget, unchecked.
+                    budget_checked.add(rows)
+                    self._warn_over_budget(jitted.lower(*args).compile(),
+                                           rows // (self.data * self.num_microbatches))
                 return jitted(*args)
 
         step.lower = jitted.lower

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,7 +114,9 @@ def batch_size_of(tree: PyTree, what: str) -> int:
     naming the fix: the pipeline cuts each leaf into microbatches along it."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        raise ValueError(f"Pipeline: {what} is empty.")
+        raise ValueError(f"Pipeline: {what} is empty (None, or a tree without arrays); "
+                         f"pass per-example arrays (a loss that ignores its targets: any "
+                         f"array with the batch's rows, e.g. np.zeros(batch_size)).")
     if isinstance(tree, (list, tuple)) and all(isinstance(l, (bool, int, float, complex))
                                                for l in leaves):
         # To jax a nested list is a tree of scalars: "got ['None']" named no fix.
@@ -124,8 +127,9 @@ def batch_size_of(tree: PyTree, what: str) -> int:
         raise ValueError(
             f"Pipeline: every leaf of {what} needs the same leading batch dimension (it is "
             f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
-            f"that is not per-example (a temperature, a table) as a constant, e.g. in "
-            f"call_kwargs=, or tile it to the batch.")
+            f"that is not per-example (a temperature, a table) as a constant"
+            + (" (the loss's: in loss_fn itself)" if what == "targets" else
+               ", e.g. in call_kwargs=") + ", or tile it to the batch.")
     return batch.pop()
 
 
@@ -174,11 +178,21 @@ def rng_hint(call: str, train: bool = True):
 
 @contextlib.contextmanager
 def outside_context_mesh():
-    """Runs a pipeline call with no context mesh. The pipeline places every value on
-    its own mesh; a stage traced under a user's `jax.set_mesh(mesh)` (Auto axes) and
-    replayed in the step's shard_map (Manual axes) failed with "context mesh ... should
-    match the aval mesh". Inside a user's jit the mesh cannot be unset: refused there,
-    with the fix."""
+    """Runs a pipeline call with no context mesh and no flax logical axis rules. The
+    pipeline places every value on its own mesh; a stage traced under a user's
+    `jax.set_mesh(mesh)` (Auto axes) and replayed in the step's shard_map (Manual axes)
+    failed with "context mesh ... should match the aval mesh". A user's
+    `nn.logical_axis_rules` turned a layer's logical constraints into constraints over
+    the step's manual axes (a `DenseGeneral`'s 4-D names on its flat kernel: jax's "only
+    valid for values of rank at least 4"; FSDP rules: "data is not found in mesh").
+    Inside a user's jit the mesh cannot be unset: refused there, with the fix."""
+    with nn.logical_axis_rules(()):
+        with _no_context_mesh():
+            yield
+
+
+@contextlib.contextmanager
+def _no_context_mesh():
     if jax.sharding.get_abstract_mesh().empty:
         yield
         return

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid import step_memory
-from jaxhybrid.pipeline.arguments import one_microbatch
+from jaxhybrid.pipeline.arguments import batch_size_of, one_microbatch
 
 
 class PipelinePlanning:
@@ -59,13 +59,22 @@ class PipelinePlanning:
             self._plan = self._make_plan(fixed=True)
         return self._plan
 
-    def _warn_over_budget(self, compiled) -> None:
-        """Warns where the compiled training step needs more than `memory_budget` per
-        device: the planner's model fell short of it (docs/planner.md has its errors)."""
+    def _warn_over_budget(self, compiled, microbatch_rows: int) -> None:
+        """Warns where the compiled training step (of microbatches of `microbatch_rows`)
+        needs more than `memory_budget` per device: the planner's model fell short of it
+        (docs/planner.md has its errors), or planned another microbatch size."""
         need = step_memory.compiled_bytes(compiled)
         warning = need and step_memory.over_budget(
             need, self.memory_budget, self.plan.device_memory, all(self.plan.remat),
             "remat='full' without a memory_budget")
+        planned = (microbatch_rows if self._sample is None
+                   else batch_size_of(self._sample, "sample_inputs"))
+        if warning and microbatch_rows != planned:
+            # The plan holds for init's sample: 1-row microbatches from an 8-row sample
+            # planned 208KB, and a batch of 512 compiled to 875KB without a word.
+            warning = (f"the plan is for microbatches of {planned} rows (init's sample_inputs"
+                       f"), this step's have {microbatch_rows}: give init a sample batch of "
+                       f"the training batch's size. {warning}")
         if warning:
             warnings.warn(f"Pipeline.train_step: {warning}", stacklevel=4)
 
