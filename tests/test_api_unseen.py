@@ -758,3 +758,19 @@ def test_targets_that_are_not_per_example_name_the_fix():
         step(v, X, None)
     with pytest.raises(ValueError, match=r"as a constant \(the loss's: in loss_fn itself\)"):
         step(v, X, {"y": Y, "temperature": jnp.asarray(2.0)})
+
+
+def test_a_weighted_mean_with_a_weight_per_row_is_refused():
+    # weight() = one token count per example was broadcast into per-row scales: 32.6
+    # where the token mean was 1.69, in the pipeline and its reference alike.
+    class PerRow(MaskedMSE):
+        def weight(self, t):
+            return jnp.sum(t["mask"], axis=-1)
+    pipe, v = _dense_pipe()
+    t = {"y": Y, "mask": jnp.ones_like(Y)}
+    with pytest.raises(ValueError, match=r"PerRow.weight\(targets\) has shape \(8,\); .*one "
+                                         r"number for the whole"):
+        pipe.value_and_grad(PerRow())(v, X, t)
+    with pytest.raises(ValueError, match=r"has shape \(8,\)"):
+        jp.reference_value_and_grad(DENSE, pipe.unpack(v), PerRow(), X, t, data=2,
+                                    num_microbatches=2)
