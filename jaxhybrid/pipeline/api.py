@@ -421,8 +421,8 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             rng = same_key_everywhere(self, "train_step", rng)
             args = (variables, opt_state, inputs, targets, rng)
             with rng_hint(TRAIN_STEP_CALL), self._fit_hint():
-                rows = batch_size_of(inputs, "inputs")
-                if self.memory_budget is not None and rows not in budget_checked:
+                if (self.memory_budget is not None
+                        and (rows := batch_size_of(inputs, "inputs")) not in budget_checked):
                     # Compiled ahead, once per batch size: a later, larger batch than the
                     # first call's needed 3.4x the budget, unchecked.
                     budget_checked.add(rows)
