@@ -346,6 +346,17 @@ def place_everywhere(a, sharding, what: str):
     return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(a)) if key else placed
 
 
+def place_key_everywhere(rng, mesh, what: str):
+    """`rng` as one key replicated on `mesh`, checked by jax to be the same on every
+    process (`place_everywhere`); as it is with one process, without a key (None), or
+    inside a trace."""
+    import jax
+    if rng is None or jax.process_count() == 1 or isinstance(rng, jax.core.Tracer):
+        return rng
+    return place_everywhere(rng, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                            what)
+
+
 def argument_shapes(trees) -> str:
     """Shapes and dtypes of `trees` as one comparable string (`check_same_everywhere`)."""
     import jax

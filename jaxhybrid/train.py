@@ -417,7 +417,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
             except Exception:
                 # A bad batch (a short last one, a stream that ends) ended the run with
                 # every step since the last checkpoint lost (all of them by default).
-                last_saved = stopping.save_stopped(b, state, done, last_saved, meta(done))
+                stopping.save_stopped(b, state, done, last_saved, meta(done))
                 raise
             inputs, targets = batch
             with phases("first step") if step == b.start + 1 else contextlib.nullcontext():

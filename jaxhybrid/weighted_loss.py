@@ -67,16 +67,6 @@ class _Share:
         return self.loss.total(outputs, inner) * scale[0]
 
 
-def _check_scalar_weight(loss_fn, targets) -> None:
-    """A weight of one value per row (`jnp.sum(mask, axis=-1)`) was broadcast into
-    per-row scales and gave a meaningless loss (32.6 for a token mean of 1.69), silently."""
-    shape = jnp.shape(jax.eval_shape(loss_fn.weight, targets))
-    if shape != ():
-        raise ValueError(f"{type(loss_fn).__name__}.weight(targets) has shape {shape}; a "
-                         f"WeightedMean's weight is one number for the whole (micro)batch, "
-                         f"e.g. jnp.sum(mask), not one per row.")
-
-
 def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
     """(loss_fn, targets) for a step that averages loss_fn over `parts` equal chunks of
     the batch `targets` (global): a WeightedMean becomes its chunk's share of the whole
@@ -88,11 +78,16 @@ def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
     the whole batch's, so an update's step scaled with the other windows' weights)."""
     if not isinstance(loss_fn, WeightedMean):
         return loss_fn, targets
-    _check_scalar_weight(loss_fn, targets)
+    weight = jnp.asarray(loss_fn.weight(targets), loss_dtype())
+    if weight.shape != ():
+        # One value per row (`jnp.sum(mask, axis=-1)`) was broadcast into per-row scales
+        # and gave a meaningless loss (32.6 for a token mean of 1.69), silently.
+        raise ValueError(f"{type(loss_fn).__name__}.weight(targets) has shape {weight.shape}; "
+                         f"a WeightedMean's weight is one number for the whole (micro)batch, "
+                         f"e.g. jnp.sum(mask), not one per row.")
     rows = jax.tree.leaves(targets)[0].shape[0]
     if windows == 1:
-        weight = nonzero(jnp.asarray(loss_fn.weight(targets), loss_dtype()))
-        return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / weight)
+        return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / nonzero(weight))
     cut = lambda a: a.reshape(data, windows, rows // (data * windows), *a.shape[1:])
     weight_of = lambda t: jnp.asarray(loss_fn.weight(t), loss_dtype())
     per_window = jnp.sum(jax.vmap(jax.vmap(weight_of))(jax.tree.map(cut, targets)), axis=0)

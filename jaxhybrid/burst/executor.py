@@ -380,8 +380,8 @@ def on_every_process(program: BurstProgram, call: str, inputs, targets, rng):
     batch = NamedSharding(program.mesh, P(DATA))
     inputs, targets = jax.tree.map(lambda a: distributed.place_everywhere(
         a, batch, f"burst.{call}: a numpy batch"), (inputs, targets))
-    return inputs, targets, distributed.place_everywhere(
-        rng, NamedSharding(program.mesh, P()), f"burst.{call}: rng")
+    return inputs, targets, distributed.place_key_everywhere(rng, program.mesh,
+                                                             f"burst.{call}: rng")
 
 
 def value_and_grad(program: BurstProgram, variables, inputs, targets, rng):

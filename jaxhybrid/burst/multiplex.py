@@ -30,7 +30,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import distributed
@@ -253,7 +252,8 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     # device's instance on a mix, silently).
     (fg_inputs, bg_inputs), (fg_targets, bg_targets), fg_rng = on_every_process(
         mux.fg, "multiplexed_step", (fg_inputs, bg_inputs), (fg_targets, bg_targets), fg_rng)
-    bg_rng = _placed_key(mux, bg_rng, "multiplexed_step")
+    bg_rng = distributed.place_key_everywhere(bg_rng, mux.fg.mesh,
+                                              "burst.multiplexed_step: bg_rng")
     loss, fg, bg_losses, bg = _multiplexed_step(
         mux, current_for(mux.fg, fg_state), bg_state, fg_inputs, fg_targets, bg_inputs,
         bg_targets, fg_rng, bg_rng)
@@ -304,14 +304,6 @@ def background_step(mux: MuxProgram, bg_state, bg_inputs, bg_targets, bg_rng):
     _, (bg_inputs, bg_targets), bg_rng = on_every_process(
         mux.fg, "background_step", None, (bg_inputs, bg_targets), bg_rng)
     return _background_step(mux, bg_state, bg_inputs, bg_targets, bg_rng)
-
-
-def _placed_key(mux: MuxProgram, rng, call: str):
-    """`rng` as one global key (see `executor.on_every_process`)."""
-    if jax.process_count() == 1 or isinstance(rng, jax.core.Tracer):
-        return rng
-    return distributed.place_everywhere(rng, NamedSharding(mux.fg.mesh, P()),
-                                        f"burst.{call}: bg_rng")
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

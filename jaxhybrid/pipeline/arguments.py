@@ -291,8 +291,4 @@ def same_key_everywhere(pipe, call: str, rng):
     """`rng` as one replicated global key when several processes run the pipeline: a key
     of each process's own (`fold_in(key, process_index())`) gave each process another
     loss for the same step, silently. Checked by jax on every call (a few bytes)."""
-    if rng is None or jax.process_count() == 1 or isinstance(rng, jax.core.Tracer):
-        return rng
-    return distributed.place_everywhere(
-        rng, jax.sharding.NamedSharding(pipe.mesh, jax.sharding.PartitionSpec()),
-        f"Pipeline.{call}: rng")
+    return distributed.place_key_everywhere(rng, pipe.mesh, f"Pipeline.{call}: rng")
