@@ -290,19 +290,24 @@ def test_resumed_run_traces_what_is_left_of_the_profile_window(tmp_path, caplog)
     assert "steps 2..3 ran before the restored step 4" in caplog.text
 
 
-def _session_starts(event_file) -> list[int]:
-    """Steps of the SessionLog START events in one TensorBoard event file (TFRecords:
-    length, its crc, the Event proto, its crc); TensorBoard purges earlier files' events
-    from such a step on."""
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
+def _events(event_file) -> list:
+    """The Event protos of one TensorBoard event file (TFRecords: length, its crc, the
+    Event proto, its crc)."""
+    from tensorboardX.proto.event_pb2 import Event
     data, out, i = pathlib.Path(event_file).read_bytes(), [], 0
     while i < len(data):
         n = int.from_bytes(data[i:i + 8], "little")
-        event = Event.FromString(data[i + 12:i + 12 + n])
+        out.append(Event.FromString(data[i + 12:i + 12 + n]))
         i += 16 + n
-        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
-            out.append(event.step)
     return out
+
+
+def _session_starts(event_file) -> list[int]:
+    """Steps of the SessionLog START events in one event file; TensorBoard purges earlier
+    files' events from such a step on."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+    return [e.step for e in _events(event_file)
+            if e.HasField("session_log") and e.session_log.status == SessionLog.START]
 
 
 def test_fresh_start_in_a_used_workdir_purges_the_old_events(tmp_path):
@@ -322,14 +327,7 @@ def test_fresh_start_in_a_used_workdir_purges_the_old_events(tmp_path):
 
 
 def _scalar_steps(event_file) -> list[int]:
-    from tensorboardX.proto.event_pb2 import Event
-    data, out, i = pathlib.Path(event_file).read_bytes(), [], 0
-    while i < len(data):
-        n = int.from_bytes(data[i:i + 8], "little")
-        event = Event.FromString(data[i + 12:i + 12 + n])
-        i += 16 + n
-        out += [event.step] * len(event.summary.value)
-    return out
+    return [e.step for e in _events(event_file) for _ in e.summary.value]
 
 
 def test_each_record_is_in_the_events_before_the_run_ends(tmp_path):
