@@ -1,6 +1,7 @@
 """plan.profile on a small heterogeneous layer list: XLA FLOPs, exact byte counts,
 residual memory with and without recomputation, measured times, serialisation, errors."""
 import dataclasses
+import os
 
 import flax.linen as nn
 import jax
@@ -149,6 +150,22 @@ def test_measure_gives_positive_times(timing):
     c = profile(LAYERS[2:4], np.ones((B, T, CONV), np.float32), measure=True, repeats=1,
                 timing=timing)
     assert all(x.measured and x.fwd_time > 0 and x.bwd_time > 0 for x in c)
+    cores = os.cpu_count() or 1
+    assert all(1.0 <= t <= cores for x in c for t in (x.fwd_threads, x.bwd_threads))
+
+
+def test_threads_are_cpu_over_wall_seconds_beyond_the_calls_own():
+    """A layer's cores busy: its CPU seconds beyond a no-op call's over its wall seconds
+    beyond them, between 1 and the host's cores (a small layer timed below its call's
+    overhead, or a process that burnt no CPU: 1)."""
+    from jaxhybrid.plan.layer_timing import _Timing, threads
+    base = _Timing(1e-5, 1e-4, 1e-4)
+    cores = os.cpu_count() or 1
+    busy = _Timing(1e-4, 1e-3, 1e-4 + min(cores, 2) * 9e-4)
+    assert threads(busy, base) == pytest.approx(min(cores, 2))
+    assert threads(_Timing(1e-4, 1e-3, 1e-4 + 100 * 9e-4), base) == cores   # clipped
+    assert threads(_Timing(1e-5, 1e-4, 5e-5), base) == 1.0    # no work beyond the call
+    assert threads(_Timing(1e-4, 1e-3, 5e-4), base) == 1.0    # below one core: one
 
 
 def test_split_backward_values_by_hand(costs):

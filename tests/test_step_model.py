@@ -1,5 +1,6 @@
 """The one lock-step step-time model (plan.step_model), as the planner and the projection
 use it."""
+import dataclasses
 import math
 
 import numpy as np
@@ -26,6 +27,44 @@ def test_ticks_engine_transfer_and_slots():
     np.testing.assert_allclose(tick_lengths(work, 2, 2.0),
                                np.maximum(work.max(1), work.sum(1)))
     assert lockstep_time(s, f, b, data=2, compute_slots=math.inf).compute == st.compute
+
+
+def test_shared_cores_count_cpu_seconds():
+    """Devices sharing C cores share them by CPU seconds: a layer that kept two cores busy
+    when timed alone takes twice its time from the others; the longest device's own
+    time still bounds the tick; no cpu_cost: the times themselves."""
+    s = make_schedule("1f1b", 4, 8)
+    f, b = np.ones(4), 2 * np.ones(4)
+    plain = lockstep_time(s, f, b, compute_slots=2.0)
+    assert lockstep_time(s, f, b, compute_slots=2.0, cpu_cost=(f, b)).total == plain.total
+    busy = lockstep_time(s, f, b, compute_slots=2.0, cpu_cost=(2 * f, 2 * b))
+    np.testing.assert_allclose(busy.compute, tick_lengths(s.work(f, b), 1, 1.0).sum())
+    assert busy.compute > plain.compute
+    # Enough cores for every device's CPU seconds: the busiest device sets the pace.
+    wide = lockstep_time(s, f, b, compute_slots=16.0, cpu_cost=(2 * f, 2 * b))
+    assert wide.compute == pytest.approx(s.tick_times(f, b).sum())
+    # Without shared cores (a GPU), the CPU seconds do not matter.
+    assert lockstep_time(s, f, b, cpu_cost=(9 * f, 9 * b)).total == lockstep_time(s, f, b).total
+
+
+def test_plan_prices_the_cores_its_layers_kept_busy():
+    """make_plan's stage CPU seconds (fwd_time x fwd_threads, recomputation included)
+    price its step on a host whose devices share the cores as the projection does, and
+    survive the plan's JSON."""
+    from jaxhybrid.plan import Plan
+    from jaxhybrid.plan.hardware import measured_device
+    costs = [LayerCost(f"l{i}", 4, 1e6, 2e6, 1e5, 2e5, 400, 100, 64, 64, 64, 64,
+                       1e-3, 2e-3, fwd_threads=1.0 + (i % 2), bwd_threads=2.0) for i in range(8)]
+    hw = measured_device("two_cores", compute_slots=2.0, mem_bandwidth=1e10)
+    p = make_plan(costs, num_stages=4, num_microbatches=8, hardware=hw)
+    np.testing.assert_allclose(p.stage_fwd_cpu, [3e-3] * 4)
+    np.testing.assert_allclose(p.stage_bwd_cpu, [8e-3] * 4)
+    one = [dataclasses.replace(c, fwd_threads=1.0, bwd_threads=1.0) for c in costs]
+    assert p.predicted_step_time > make_plan(one, num_stages=4, num_microbatches=8,
+                                             hardware=hw).predicted_step_time
+    assert Plan.from_json(p.to_json()).predicted_step_time == pytest.approx(p.predicted_step_time)
+    r = make_plan(costs, num_stages=4, num_microbatches=8, hardware=hw, remat=[True] * 8)
+    np.testing.assert_allclose(r.stage_bwd_cpu, [8e-3 + 3e-3] * 4)
 
 
 def test_plan_predicts_its_step_with_the_same_model():

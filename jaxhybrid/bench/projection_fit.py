@@ -77,6 +77,14 @@ def fit_engine_terms(base: Hardware, measured, predict_fn, max_slots: float) -> 
     return hardware(best), [float(r) for r in residuals(best)]
 
 
+def cores_busy(costs) -> float:
+    """The cores a model's measured layers kept busy on average (CPU over wall seconds,
+    `LayerCost.fwd_threads`), weighted by their times."""
+    wall = sum(c.fwd_time + c.bwd_time for c in costs)
+    cpu = sum(c.fwd_time * c.fwd_threads + c.bwd_time * c.bwd_threads for c in costs)
+    return float(cpu / wall) if wall > 0 else 1.0
+
+
 @dataclasses.dataclass
 class Calibration:
     """The steps a calibration times (`steps`: DP 1x1, DP all-devices x1, then `configs`),
@@ -122,20 +130,24 @@ def fit_calibration(c: Calibration, times, *, schedule: str = "1f1b",
     from DP scaling, the engine terms (`ENGINE_TERMS`) from the pipelined configs."""
     model, n = c.model, jax.device_count()
     t1, tn, *cal_times = times
-    # n replicas' compute shares C slots: t(nx1) = n t(1x1) / C + the gradient all-reduce
+    # n replicas' compute shares C slots: t(nx1) = n r t(1x1) / C + the gradient all-reduce
     # (which 1x1 does not run), itself modelled with C; a few fixed-point rounds solve it.
+    # r: the cores the model's layers kept busy when profiled (CPU over wall seconds), as
+    # the step-time model prices the shared cores by CPU seconds.
     cores = min(n, os.cpu_count() or n)
     clip = lambda s: float(np.clip(s, 1.0, cores))  # noqa: E731
     device = lambda s: host_device(c.bandwidth, compute_slots=s)  # noqa: E731
-    slots = clip(n * t1 / tn)
+    r = cores_busy(model.costs(c.batch))
+    slots = clip(n * r * t1 / tn)
     for _ in range(5):
         ar = hybrid.step_time(model.costs, device(slots), data=n, pipe=1, num_microbatches=1,
                               per_worker_batch=c.batch, schedule=schedule,
                               include_update=False).allreduce_time
-        slots = clip(n * t1 / max(tn - ar, 1e-9))
+        slots = clip(n * r * t1 / max(tn - ar, 1e-9))
     log(f"calibration: stream bandwidth {c.bandwidth / 1e9:.1f} GB/s; DP scaling "
         f"t(1x1)={t1 * 1e3:.2f} ms, t({n}x1)={tn * 1e3:.2f} "
-        f"ms (all-reduce {ar * 1e3:.2f} ms) -> compute_slots C={slots:.2f} (host cores: "
+        f"ms (all-reduce {ar * 1e3:.2f} ms), layers' cores busy {r:.2f} -> compute_slots "
+        f"C={slots:.2f} (host cores: "
         f"{os.cpu_count()})")
     meas = list(zip(c.configs, cal_times))
     hw, res = fit_engine_terms(

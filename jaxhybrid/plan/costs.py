@@ -146,11 +146,12 @@ def _variable_bytes(layers, x, train: bool, variables) -> int:
 
 # --- the on-disk cache -----------------------------------------------------------------
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 9   # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+COST_FORMAT = 10  # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
 #                   5: residuals the backward recomputes cheaply are not counted;
 #                   6: a split backward's crossing values and W's residuals;
 #                   7: float parameters by dtype; 8: residuals shared with the layer before;
-#                   9: crossing values and float parameters as whole values
+#                   9: crossing values and float parameters as whole values;
+#                   10: the cores a measured layer kept busy (fwd_threads, bwd_threads)
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 
@@ -411,22 +412,24 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     def compiled_costs() -> dict:
         fwd_flops, fwd_bytes = _xla_cost(fwd_c or _compile(fwd_lowered, False))
         bwd_flops = bwd_bytes = bwd_time = 0.0
-        bwd_temp = 0
+        bwd_temp, fwd_threads, bwd_threads = 0, 1.0, 1.0
         if bwd_lowered is not None:
             bwd_c = _compile(bwd_lowered, measure)
             bwd_flops, bwd_bytes = _xla_cost(bwd_c)
             bwd_temp = _temp_bytes(bwd_c)
             if measure:
-                bwd_time = layer_time(timing, bwd_c, lambda vf, c: vf(c), (vjp_fn, ct),
-                                       roofline_time(bwd_flops, bwd_bytes, *peaks))
+                bwd_time, bwd_threads = layer_time(
+                    timing, bwd_c, lambda vf, c: vf(c), (vjp_fn, ct),
+                    roofline_time(bwd_flops, bwd_bytes, *peaks))
         if measure:
-            fwd_time = layer_time(timing, fwd_c, fwd, (lvars, x),
-                                   roofline_time(fwd_flops, fwd_bytes, *peaks))
+            fwd_time, fwd_threads = layer_time(timing, fwd_c, fwd, (lvars, x),
+                                               roofline_time(fwd_flops, fwd_bytes, *peaks))
         else:
             fwd_time = roofline_time(fwd_flops, fwd_bytes, *peaks)
             bwd_time = roofline_time(bwd_flops, bwd_bytes, *peaks)
         return dict(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_bytes=fwd_bytes,
                     bwd_bytes=bwd_bytes, fwd_time=fwd_time, bwd_time=bwd_time,
+                    fwd_threads=fwd_threads, bwd_threads=bwd_threads,
                     bwd_temp_bytes=bwd_temp, **shapes)
 
     return (compiled_costs() if pool is None else pool.submit(compiled_costs)), y

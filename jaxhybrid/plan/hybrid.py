@@ -110,6 +110,16 @@ def times_on_hardware(costs: Sequence[LayerCost], hw: Hardware) -> tuple[np.ndar
             np.array([hw.compute_time(c.bwd_flops, c.bwd_bytes) for c in costs]))
 
 
+def cpu_on_hardware(costs: Sequence[LayerCost], hw: Hardware, fwd, bwd) -> tuple:
+    """(forward, backward) CPU seconds per layer of the times `fwd`, `bwd` on `hw`: the
+    measured times x the cores each kept busy (`LayerCost.fwd_threads`), where `hw`
+    prices by measured times; the times themselves otherwise."""
+    if not hw.uses_measured_times:
+        return np.asarray(fwd, float), np.asarray(bwd, float)
+    return (np.asarray(fwd, float) * [c.fwd_threads for c in costs],
+            np.asarray(bwd, float) * [c.bwd_threads for c in costs])
+
+
 def grad_params(c: LayerCost, data: int, per_worker_batch: int) -> float:
     """Parameters whose gradients are exchanged. Layers with sparse-gradient tables
     (reference costs: `table_rows`, `row_params`, `sparse_rows`, `sparse_fixed_rows`)
@@ -225,7 +235,8 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         return est
     fwd, bwd = times_on_hardware(local, hw)
     comm_f, comm_b = model_times(per_layer, hw, model, data * pipe)
-    fwd, bwd = fwd + comm_f, bwd + comm_b
+    cpu_f, cpu_b = cpu_on_hardware(local, hw, fwd, bwd)
+    fwd, bwd, cpu_f, cpu_b = fwd + comm_f, bwd + comm_b, cpu_f + comm_f, cpu_b + comm_b
     out_bytes = np.array([c.out_bytes for c in per_layer], float) * hw.bytes_scale
     topo = pipeline_topology(hw, pipe, model, data) if pipe > 1 else None
     if boundaries is not None and len(boundaries) != K - 1:
@@ -254,6 +265,7 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         return est
     flags, mem = fitted
     B = B + stage_sums(np.where(flags, fwd, 0.0), cuts)   # recomputed (collectives too)
+    cpu = (stage_sums(cpu_f, cuts), stage_sums(cpu_b + np.where(flags, cpu_f, 0.0), cuts))
     remat = [bool(any(flags[a:b])) for a, b in stage_ranges(cuts, L)]
     est.stage_memory, est.stage_remat = [float(x) for x in mem], remat
     est.stage_fwd, est.stage_bwd = F.tolist(), B.tolist()
@@ -267,7 +279,8 @@ def _pipeline(costs: CostFn, hw: Hardware, pipe: int, M: int, b: int, schedule: 
         per_tick_comm = tick_transfer(topo, links, nb)
         engine = engine_terms(hw, np.bincount(dev, weights=params, minlength=pipe).max(),
                               data * pipe * model)
-    st = lockstep_time(sched, F, B, data=data * model, transfer_per_tick=per_tick_comm, **engine)
+    st = lockstep_time(sched, F, B, data=data * model, transfer_per_tick=per_tick_comm,
+                       cpu_cost=cpu, **engine)
     est.compute_time, est.engine_time, est.transfer_time = st.compute, st.engine, st.transfer
     est.pipeline_time = st.pipeline
     est.bubble_fraction = sched.bubble_fraction(F, B)

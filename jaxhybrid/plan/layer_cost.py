@@ -54,6 +54,12 @@ class LayerCost:
     fwd_time: float
     bwd_time: float
     measured: bool = False
+    # Cores the measured forward / backward kept busy on average (process CPU seconds
+    # over wall seconds while timed, `layer_timing.threads`; 1: one core, or not
+    # measured). Simulated devices sharing a host's cores share them by CPU seconds
+    # (`fwd_time * fwd_threads`), which `step_model.lockstep_time` uses.
+    fwd_threads: float = 1.0
+    bwd_threads: float = 1.0
     state_bytes: int = 0   # non-param variables (e.g. batch_stats): kept, no grads/moments
     # Tensor parallelism over "model" (`jaxhybrid.plan.model_axis`): of the above, what a
     # model degree T divides by T, and the bytes all-reduced over the model group.

@@ -70,6 +70,11 @@ class Plan:
     weight_task_overhead: float = 0.0           # more per W task
     collective_overhead: float = 0.0            # engine work per device per collective
     launch_overhead: float = 0.0                # engine work per device per step
+    # CPU seconds of stage_fwd_time / stage_bwd_time (x the cores each layer kept busy,
+    # `LayerCost.fwd_threads`): how devices sharing a host's cores share them (None: the
+    # times themselves).
+    stage_fwd_cpu: list[float] | None = None
+    stage_bwd_cpu: list[float] | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -127,7 +132,10 @@ class Plan:
         """`predicted_step_time` by part (`plan.step_model.StepTime`: the ticks' layer
         work, what the engine's costs add, the transfers, the all-reduce)."""
         f, b = self._tick_costs()
-        return lockstep_time(self.schedule_table(), f, b, data=self.data,
+        cpu = None
+        if self.stage_fwd_cpu is not None and self.stage_bwd_cpu is not None:
+            cpu = (np.array(self.stage_fwd_cpu), np.array(self.stage_bwd_cpu))
+        return lockstep_time(self.schedule_table(), f, b, data=self.data, cpu_cost=cpu,
                              compute_slots=self.compute_slots or math.inf,
                              tick_overhead=self.tick_overhead, tick_latency=self.tick_latency,
                              task_overhead=self.task_overhead,
@@ -398,6 +406,9 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     fwd = stage_sums([c.fwd_time for c in times], cuts)
     bwd = stage_sums([c.bwd_time for c in times], cuts)
     bwd = bwd + recompute_time(times, cuts, remat)
+    fwd_cpu = stage_sums([c.fwd_time * c.fwd_threads for c in times], cuts)
+    bwd_cpu = stage_sums([c.bwd_time * c.bwd_threads + (c.fwd_time * c.fwd_threads if r else 0.0)
+                          for c, r in zip(times, remat)], cuts)
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
                                   **shard)
     engine, slots, per_tick = {}, None, 0.0
@@ -418,7 +429,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 topology=None if topology is None else (topology.description or repr(topology)),
                 device_memory=device_mem, virtual_stages=v,
                 schedule_options=dict(sched.options), table=sched, compute_slots=slots,
-                transfer_per_tick=per_tick, **engine)
+                transfer_per_tick=per_tick, stage_fwd_cpu=fwd_cpu.tolist(),
+                stage_bwd_cpu=bwd_cpu.tolist(), **engine)
 
 
 RANDOM_STARTS = 4   # random device orders the split/mapping alternation also starts from

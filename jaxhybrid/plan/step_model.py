@@ -7,8 +7,12 @@ compare predictions with measured steps.
     tick t lasts   max over devices of work[t, d]             (`Schedule.work`: the
                    F/B/W tasks the engine runs in that tick, from per-stage costs)
                    or, with finite `compute_slots` C (simulated devices sharing C cores),
-                   max(that, data * sum_d work[t, d] / C): the work of every device of
-                   all `data` replicas in the tick serialises over the cores there are;
+                   max(that, data * sum_d cpu[t, d] / C): the CPU seconds of every device
+                   of all `data` replicas in the tick serialise over the cores there are
+                   (cpu: the work x the cores each layer kept busy when it was timed
+                   alone, `LayerCost.fwd_threads`: XLA spreads a large matmul over the
+                   cores, so a lone device's time understates what it takes from
+                   others);
     engine         the engine's own work, added to a device's work in a tick:
                    `tick_overhead` every tick (control flow, the table row, the
                    packed-buffer reads: `Hardware.tick_overhead` and `tick_param_bytes`),
@@ -124,11 +128,14 @@ def _issued(send: np.ndarray, channels) -> np.ndarray:
     return (send & moving).sum(axis=1).astype(float)
 
 
-def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.inf) -> np.ndarray:
-    """Length of each lock-step tick from the [tick, device] work of one replica."""
+def tick_lengths(work: np.ndarray, data: int = 1, compute_slots: float = math.inf,
+                 cpu_work: np.ndarray | None = None) -> np.ndarray:
+    """Length of each lock-step tick from the [tick, device] work of one replica (and,
+    sharing the cores, its CPU seconds `cpu_work`: by default the work itself)."""
     longest = work.max(axis=1)
     if math.isfinite(compute_slots):
-        return np.maximum(longest, data * work.sum(axis=1) / compute_slots)
+        shared = work if cpu_work is None else cpu_work
+        return np.maximum(longest, data * shared.sum(axis=1) / compute_slots)
     return longest
 
 
@@ -136,11 +143,14 @@ def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots:
                   tick_overhead: float = 0.0, transfer_per_tick: float = 0.0,
                   allreduce: float = 0.0, tick_latency: float = 0.0, task_overhead: float = 0.0,
                   collective_overhead: float = 0.0, launch_overhead: float = 0.0,
-                  weight_task_overhead: float = 0.0) -> StepTime:
+                  weight_task_overhead: float = 0.0, cpu_cost=None) -> StepTime:
     """The step of `schedule` (a `jaxhybrid.schedules.Schedule`) with per-stage forward
-    and (full) backward costs, under the model in the module docstring."""
+    and (full) backward costs, under the model in the module docstring. `cpu_cost`:
+    (forward, backward) CPU seconds per stage for the cores' share (costs x the cores
+    each layer kept busy, `LayerCost.fwd_threads`); None: the costs themselves."""
     work = schedule.work(fwd_cost, bwd_cost)
-    compute = float(tick_lengths(work, data, compute_slots).sum())
+    cpu = work if cpu_cost is None else schedule.work(*cpu_cost)
+    compute = float(tick_lengths(work, data, compute_slots, cpu).sum())
     extra = np.full(work.shape, float(tick_overhead))
     if task_overhead or collective_overhead or weight_task_overhead:
         tasks, weight, coll = engine_counts(schedule)
@@ -148,7 +158,7 @@ def lockstep_time(schedule, fwd_cost, bwd_cost, *, data: int = 1, compute_slots:
                  + collective_overhead * coll[:, None])
     engine = 0.0
     if extra.any():
-        engine = float(tick_lengths(work + extra, data, compute_slots).sum()) - compute
+        engine = float(tick_lengths(work + extra, data, compute_slots, cpu + extra).sum()) - compute
     if launch_overhead:
         engine += float(tick_lengths(np.full((1, work.shape[1]), float(launch_overhead)), data,
                                      compute_slots).sum())
