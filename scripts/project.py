@@ -51,7 +51,7 @@ flags.DEFINE_integer("profile_batch", 2, "examples per profiled microbatch (--co
 flags.DEFINE_list("schedules", "1f1b", "pipeline schedules to search (names in "
                   "jaxhybrid.schedules.SCHEDULES: gpipe, 1f1b, interleaved, zb-h1, zbv).")
 define_int_list("microbatches", None, "microbatch counts to search (default: every divisor "
-                  "of the per-worker batch).")
+                  "of the per-worker batch up to 512, hybrid.MAX_MICROBATCHES).")
 flags.DEFINE_integer("max_pipe", None, "largest pipeline depth to consider.", lower_bound=1)
 define_int_list("model_degrees", "1", "tensor-parallel degrees to search (mesh model=; "
                   "each must divide the model's heads / MLP width), e.g. 1,2,4.")
@@ -180,6 +180,7 @@ def main(argv):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"--out={path}: directory {os.path.dirname(path)!r} does not exist; "
                              f"create it or pass --out= for no PNG.")
+        stat = stat_curve()   # its errors before minutes of profiling
         if costs == "measured":
             from jaxhybrid.models import get_model
             from jaxhybrid.plan.costs import profile
@@ -187,7 +188,7 @@ def main(argv):
             costs = profile(spec.layers, spec.sample_batch(FLAGS.profile_batch)[0], measure=True)
         proj = hybrid.project(
             FLAGS.model, FLAGS.devices, FLAGS.hardware, per_worker_batch=FLAGS.per_worker_batch,
-            stat=stat_curve(), costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
+            stat=stat, costs=costs, size=FLAGS.size, profile_batch=FLAGS.profile_batch,
             schedules=FLAGS.schedules, max_pipe=FLAGS.max_pipe,
             model_degrees=FLAGS.model_degrees, zero=FLAGS.zero,
             microbatches=FLAGS.microbatches or None)

@@ -107,6 +107,18 @@ def test_table_has_every_valid_factorisation():
     assert got == want and len(proj.rows) == len(want)
 
 
+def test_microbatch_counts_stop_at_the_cap_unless_given():
+    # Every divisor of a per-worker batch of 65536 took minutes (a task table per M).
+    assert hybrid.divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    stat = StatEfficiency(100.0, 1000.0, 1e6)
+    proj = hybrid.search(synth(6), hw(), stat, devices=[2], per_worker_batch=2 ** 16)
+    ms = {r.num_microbatches for r in proj.rows}
+    assert ms == {2 ** k for k in range(10)} and max(ms) == hybrid.MAX_MICROBATCHES
+    given = hybrid.search(synth(6), hw(), stat, devices=[2], per_worker_batch=2 ** 12,
+                          microbatches=[1024])
+    assert {r.num_microbatches for r in given.rows} == {1024}
+
+
 def test_no_statistical_penalty_and_free_comm_dp_never_loses():
     # Perfect scaling (epochs independent of batch: B_noise -> infinity) and free
     # communication: splitting a worker can only add bubbles.

@@ -275,6 +275,22 @@ def test_plan_from_config_reads_boundaries_remat_and_overrides():
         plan_from_config(cfg)
 
 
+def test_plan_json_missing_fields_say_which():
+    """A plan JSON without a field an older version may not have written (zbv on 4
+    devices: 8 stages): a plan whose
+    stages the schedule does not rebuild (zbv without its virtual_stages) or half of the
+    stage times is refused when read, naming the field."""
+    p = make_plan(hetero(10), num_stages=4, num_microbatches=4, schedule="zbv")
+    d = json.loads(p.to_json())
+    with pytest.raises(ValueError, match="set the plan's virtual_stages to 2"):
+        Plan.from_json(json.dumps({k: v for k, v in d.items() if k != "virtual_stages"}))
+    with pytest.raises(ValueError, match="give both or neither"):
+        Plan.from_json(json.dumps({k: v for k, v in d.items() if k != "stage_bwd_time"}))
+    with pytest.raises(ValueError, match="stage_fwd_cpu needs 8 entries"):
+        Plan.from_json(json.dumps(dict(d, stage_fwd_cpu=[0.0])))
+    assert Plan.from_json(p.to_json()).predicted_step_time == pytest.approx(p.predicted_step_time)
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
 def test_plan_and_projection_price_a_step_alike(schedule, v):
     # Planner and projection are one model: with a calibrated device's engine terms

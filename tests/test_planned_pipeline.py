@@ -107,12 +107,26 @@ def test_budget_too_small_says_by_how_much():
 def test_explicit_plan_is_used_as_is():
     inputs, labels = mm.make_batch(8)
     costs = planner.profile(LAYERS, mm.make_batch(2)[0])
-    plan = planner.make_plan(costs, num_stages=4, num_microbatches=2, boundaries=[1, 3, 5])
+    plan = planner.make_plan(costs, num_stages=4, num_microbatches=2, boundaries=[1, 3, 5],
+                             data=2)
     plan = planner.Plan.from_json(plan.to_json())
-    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=2, pipe=4), num_microbatches=2, plan=plan)
+    mesh = jh.make_mesh(data=2, pipe=4)
+    pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, plan=plan)
     assert pipe.boundaries == [1, 3, 5] and pipe.plan is plan
     with pytest.raises(ValueError, match="make a plan for this model and mesh"):
         jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=4, pipe=2), plan=plan)
+    # Made for another setup, it would report another setup's memory and step time; a
+    # budget beside it would be ignored.
+    for kwargs, what in ((dict(num_microbatches=4), "num_microbatches=2"),
+                         (dict(num_microbatches=2, schedule="gpipe"), "schedule=1f1b"),
+                         (dict(num_microbatches=2, memory_budget="1GB"), "memory_budget")):
+        with pytest.raises(ValueError, match=what):
+            jp.Pipeline(LAYERS, mesh=mesh, plan=plan, **kwargs)
+    with pytest.raises(ValueError, match="data=2"):
+        jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=2, plan=plan)
+    # Its split reused under another schedule: as boundaries and remat.
+    assert jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, schedule="gpipe",
+                       boundaries=plan.boundaries, remat=plan.remat).boundaries == [1, 3, 5]
 
 
 def test_the_plan_reports_the_users_remat():

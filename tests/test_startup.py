@@ -86,6 +86,38 @@ def test_profile_disk_cache_round_trip(tmp_path, monkeypatch):
     assert len(calls) == 3 + 4 and len(list((tmp_path / "costs").glob("*.json"))) == 3
 
 
+class Apply(nn.Module):
+    """A layer that applies a function it is given (a lambda, a closure)."""
+    fn: object
+
+    @nn.compact
+    def __call__(self, x):
+        return self.fn(x)
+
+
+def _scaled(k):
+    return lambda x: x * k
+
+
+def test_layers_holding_other_functions_are_other_entries(tmp_path):
+    """Every lambda's repr is "<function <lambda>>" and every closure of one factory has
+    one name: the signature reads their code and captured values, so a layer holding
+    another function is never given (in one profile, or from the disk cache) the costs
+    of the first; the same function rebuilt shares its entry."""
+    from jaxhybrid.plan.costs import layer_signature
+    same, tiled = Apply(lambda x: x), Apply(lambda x: jax.numpy.tile(x, (1, 4)))
+    assert layer_signature(same) != layer_signature(tiled)
+    assert layer_signature(Apply(_scaled(2.0))) != layer_signature(Apply(_scaled(3.0)))
+    assert layer_signature(Apply(_scaled(2.0))) == layer_signature(Apply(_scaled(2.0)))
+    a = profile([same, Dense(8)], X, cache_dir=tmp_path)
+    b = profile([tiled, Dense(8)], X, cache_dir=tmp_path)
+    assert (a[0].out_bytes, b[0].out_bytes) == (X.nbytes, 4 * X.nbytes)
+    assert b[1].param_bytes == (4 * 16 * 8 + 8) * 4 != a[1].param_bytes
+    # In one profile too: each layer's output feeds the next with its own shape.
+    both = profile([same, tiled, Dense(8)], X, cache_dir=None)
+    assert [c.out_bytes for c in both] == [X.nbytes, 4 * X.nbytes, 4 * 8 * 4]
+
+
 def test_unreadable_cache_entry_is_profiled_afresh(tmp_path):
     profile(LAYERS, X, cache_dir=tmp_path)
     (entry,) = (tmp_path / "costs").glob("*.json")

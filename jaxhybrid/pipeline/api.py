@@ -18,6 +18,7 @@ from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.pipeline import (async_weights, layouts, optimizer_checks, packing, programs,
                                 runtime, tables, zero)
 from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_inputs,
+                                          check_plan_matches,
                                          check_state_order, checked_mesh, checked_schedule,
                                          checked_layers, checked_zero, on_every_process,
                                          outside_context_mesh,
@@ -122,6 +123,8 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                 raise ValueError(f"Pipeline: the plan is for {plan.num_layers} layers on "
                                  f"{plan.num_stages} stages, this pipeline has {L} layers on "
                                  f"{S}; make a plan for this model and mesh.")
+            check_plan_matches(plan, self.schedule, self.num_microbatches, self.data,
+                               memory_budget)
             boundaries, remat = plan.boundaries, (list(plan.remat) if remat == "auto" else remat)
             self._plan = plan
         # Planner decisions wait for `init` (they need input shapes); until then an even

@@ -109,6 +109,28 @@ def check_plan_inputs(memory_budget, topology) -> None:
                 raise ValueError(f"Pipeline: {what}={value!r}: {e}") from e
 
 
+def check_plan_matches(plan, schedule, num_microbatches: int, data: int, memory_budget) -> None:
+    """A plan given to `Pipeline(plan=...)` runs as is: one made for another schedule,
+    number of microbatches or data degree would report (`pipe.plan`) the memory and step
+    time of another setup, and a memory budget beside it would be ignored."""
+    made = dict(schedule=plan.schedule, num_microbatches=plan.num_microbatches,
+                data=plan.data, virtual_stages=plan.virtual_stages)
+    here = dict(schedule=schedule.name, num_microbatches=num_microbatches, data=data,
+                virtual_stages=schedule.virtual_stages)
+    differ = [k for k in made if made[k] != here[k]]
+    if differ:
+        raise ValueError(
+            "Pipeline: the plan was made for " + ", ".join(f"{k}={made[k]}" for k in differ)
+            + "; this pipeline runs " + ", ".join(f"{k}={here[k]}" for k in differ)
+            + ". Make a plan for this setup (make_plan(..., " + ", ".join(
+                f"{k}={here[k]!r}" for k in differ) + ")), or reuse its split with "
+            "boundaries=plan.boundaries, remat=plan.remat instead of plan=.")
+    if memory_budget is not None:
+        raise ValueError(f"Pipeline: plan= runs the plan as is (made under memory_budget="
+                         f"{plan.memory_budget}), so memory_budget={memory_budget!r} would be "
+                         f"ignored; drop memory_budget, or drop plan= to plan under it.")
+
+
 def batch_size_of(tree: PyTree, what: str) -> int:
     """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
     naming the fix: the pipeline cuts each leaf into microbatches along it."""

@@ -57,6 +57,7 @@ import json
 import os
 import pathlib
 import re
+import types
 from typing import Any, Sequence
 
 import numpy as np
@@ -169,14 +170,87 @@ def cache_dir() -> str | None:
 
 def layer_signature(layer) -> str:
     """What a layer computes, as text: its class (module, name, a hash of the file that
-    defines it, so an edited model is profiled afresh) and its fields (`repr`, object
-    addresses dropped). Two layers with one signature on one input shape cost the same."""
+    defines it, so an edited model is profiled afresh), its fields (`repr`, object
+    addresses dropped) and the Python functions among them (`_function_text`: every
+    lambda has the `repr` "<function <lambda>>"). Two layers with one signature on one
+    input shape cost the same."""
     cls = type(layer)
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(layer))
+    functions = [_function_text(f) for f in _functions_in(layer)]
+    return f"{cls.__module__}.{cls.__qualname__}@{_file_hash(cls)}:{text}" + "".join(
+        f"|{f}" for f in functions)
+
+
+def _file_hash(obj) -> str:
+    """A hash of the source file defining `obj` ("" when there is none)."""
     try:
-        source = hashlib.sha256(pathlib.Path(inspect.getsourcefile(cls)).read_bytes()).hexdigest()[:16]
+        return hashlib.sha256(pathlib.Path(inspect.getsourcefile(obj)).read_bytes()).hexdigest()[:16]
     except (TypeError, OSError):
-        source = ""
-    return f"{cls.__module__}.{cls.__qualname__}@{source}:" + re.sub(r" at 0x[0-9a-fA-F]+", "", repr(layer))
+        return ""
+
+
+def _functions_in(value, depth: int = 0) -> list:
+    """The Python functions (and partials) among a layer's dataclass fields, in nested
+    containers and sub-modules too (a few levels deep)."""
+    if depth > 4:
+        return []
+    if isinstance(value, (types.FunctionType, functools.partial)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [f for v in value for f in _functions_in(v, depth + 1)]
+    if isinstance(value, dict):
+        return [f for v in value.values() for f in _functions_in(v, depth + 1)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [f for fl in dataclasses.fields(value) if fl.name not in ("parent", "name")
+                for f in _functions_in(getattr(value, fl.name, None), depth + 1)]
+    return []
+
+
+def _function_text(fn, depth: int = 0) -> str:
+    """A function as what it computes: its name, its code (bytecode, constants and the
+    names it reads; nested functions' too), its defaults and the values its closure
+    captured (functions among them described alike), and its file's hash. A captured
+    object whose repr holds an address (nothing else tells two apart) is named by its
+    id: never shared with another object's entry, if not reused across runs."""
+    if depth > 3:
+        return f"id{id(fn)}"
+    if isinstance(fn, functools.partial):
+        return (f"partial({_function_text(fn.func, depth + 1)},{_value_text(fn.args, depth)},"
+                f"{_value_text(fn.keywords, depth)})")
+    if not isinstance(fn, types.FunctionType):
+        return _value_text(fn, depth)
+    cells = [_value_text(c.cell_contents, depth) if _filled(c) else "empty"
+             for c in (fn.__closure__ or ())]
+    return (f"{fn.__module__}.{fn.__qualname__}@{_file_hash(fn)}:{_code_text(fn.__code__)}"
+            f":{_value_text(fn.__defaults__, depth)}:{cells}")
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:   # a cell not yet assigned
+        return False
+    return True
+
+
+def _code_text(code) -> str:
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    body = repr((code.co_code, consts, code.co_names, code.co_varnames))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _value_text(value, depth: int) -> str:
+    if isinstance(value, (types.FunctionType, functools.partial)):
+        return _function_text(value, depth + 1)
+    if isinstance(value, (list, tuple)):
+        return "(" + ",".join(_value_text(v, depth) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{_value_text(v, depth)}" for k, v in value.items()) + "}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):   # an array: shape, dtype, values
+        a = np.asarray(value)
+        return f"{a.dtype}{list(a.shape)}#{hashlib.sha256(a.tobytes()).hexdigest()[:16]}"
+    text = repr(value)
+    return f"id{id(value)}" if re.search(r" at 0x[0-9a-fA-F]+", text) else text
 
 
 def _avals_text(tree) -> str:

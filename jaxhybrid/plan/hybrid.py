@@ -381,7 +381,15 @@ def step_time(costs, hw: Hardware, *, data: int, pipe: int, num_microbatches: in
 
 # --- search and projection -------------------------------------------------------------
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+# The most microbatches `search` tries unless told (`microbatches`): a task table grows
+# with M, and past a few hundred the bubble it saves ((S - 1) / (M + S - 1) at S <= 64)
+# is below what more, smaller microbatches cost. (Every divisor of a per-worker batch of
+# 65536 took minutes.)
+MAX_MICROBATCHES = 512
 
 
 def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
@@ -392,7 +400,8 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     """Every (data, pipe, model, ZeRO, M, schedule) with data * pipe * model = N for each N
     in `devices`, model in `model_degrees`, ZeRO in `zero` (only with data > 1), pipe <=
     number of layers (and <= max_pipe), M dividing the per-worker batch (and in
-    `microbatches` if given); each with its step time, memory and time to accuracy
+    `microbatches` if given, else at most `MAX_MICROBATCHES`); each with its step time,
+    memory and time to accuracy
     (configurations that do not fit memory are kept as infeasible rows, with a reason).
     pipe = 1 rows are built once per (N, M), labelled with the first schedule (a DP
     worker runs its microbatches one after another whatever the schedule); asynchronous
@@ -408,7 +417,8 @@ def search(costs, hw: Hardware, stat: StatEfficiency, *, devices: Sequence[int],
     memo: dict = {}
     cached = lambda m: memo.setdefault(m, list(fn(m)))  # noqa: E731
     L = len(cached(b))
-    ms = [m for m in divisors(b) if microbatches is None or m in set(microbatches)]
+    ms = [m for m in divisors(b) if (m <= MAX_MICROBATCHES if microbatches is None
+                                     else m in set(microbatches))]
     if not ms:
         raise ValueError(f"search: no microbatch count in {list(microbatches)} divides the "
                          f"per-worker batch {b}.")

@@ -91,9 +91,15 @@ class Plan:
             if len(self.device_order) != k or len(set(self.device_order)) != k:
                 raise ValueError(f"Plan: device_order {self.device_order} must list {k} distinct "
                                  f"devices (data x pipeline devices).")
+        if (self.stage_fwd_time is None) != (self.stage_bwd_time is None):
+            raise ValueError("Plan: stage_fwd_time and stage_bwd_time come together (the "
+                             "split of stage_compute_time); give both or neither.")
         if self.stage_fwd_time is None:   # no split given: assume backward = 2 x forward
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
+        for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu"):
+            if getattr(self, f) is not None and len(getattr(self, f)) != S:
+                raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -124,8 +130,14 @@ class Plan:
 
     def _registered_table(self):
         """What the builder registered under the schedule's name makes for this plan."""
-        return make_schedule(self.schedule, self.num_stages // self.virtual_stages,
-                             self.num_microbatches, **(self.schedule_options or {}))
+        table = make_schedule(self.schedule, self.num_stages // self.virtual_stages,
+                              self.num_microbatches, **(self.schedule_options or {}))
+        if table.num_stages != self.num_stages:   # e.g. a JSON without its virtual_stages
+            raise ValueError(f"Plan: schedule {self.schedule!r} with virtual_stages="
+                             f"{self.virtual_stages} has {table.num_stages} stages, the plan "
+                             f"{self.num_stages}; set the plan's virtual_stages to "
+                             f"{table.virtual_stages}.")
+        return table
 
     @property
     def predicted_step(self) -> StepTime:
@@ -224,7 +236,10 @@ class Plan:
                                      "options": tuple(map(tuple, t["options"])),
                                      "tasks": tuple(Task(a, b, TaskType(k), c, m)
                                                     for a, b, k, c, m in t["tasks"])})
-        return cls(**d)
+        plan = cls(**d)
+        if plan.table is None and plan.schedule in SCHEDULES:
+            plan._registered_table()   # its stages agree with the plan's (virtual_stages)
+        return plan
 
     def plot(self, path: str) -> list[str]:
         """PNGs: the schedule's Gantt chart with this plan's per-stage fwd/bwd times
