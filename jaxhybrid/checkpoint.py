@@ -73,14 +73,41 @@ class CheckpointWriteError(OSError):
 
 # --- parameter-shaped trees <-> per layer -------------------------------------------
 def _param_slot_test(params: dict):
-    """Predicate: is a node of an optimizer state shaped like the packed params (a dict
-    {buffer key: [pipe, length]} with the params' keys and shapes)?"""
+    """Predicate: is a node of an optimizer state shaped like the packed params: a dict
+    with the params' buffer keys whose values are arrays of the buffers' shapes (Adam's
+    mu), or the same container of such arrays under every key (a state made by
+    `jax.tree.map(lambda p: {"m": ..., "v": ...}, params)`: one slot per array in it,
+    `_slots`)?"""
     shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
 
     def is_slot(node) -> bool:
-        return (isinstance(node, dict) and set(node) == set(shapes)
-                and all(tuple(np.shape(node[k])) == s for k, s in shapes.items()))
+        if not (isinstance(node, dict) and set(node) == set(shapes)):
+            return False
+        structure = None
+        for k, s in shapes.items():
+            leaves, treedef = jax.tree.flatten(node[k])
+            if not leaves or any(tuple(getattr(l, "shape", ())) != s or not hasattr(l, "shape")
+                                 for l in leaves):
+                return False
+            if structure is not None and structure != treedef:   # another container
+                return False
+            structure = treedef
+        return True
     return is_slot
+
+
+def _slots(node: dict) -> list[dict]:
+    """A parameter-shaped node (`_param_slot_test`) as its slots, {buffer key: array}
+    each: itself, or one per array of the container under each key."""
+    flat = {k: jax.tree.leaves(v) for k, v in node.items()}
+    return [{k: leaves[i] for k, leaves in flat.items()}
+            for i in range(len(next(iter(flat.values()))))]
+
+
+def _from_slots(template: dict, slots: list[dict]) -> dict:
+    """`_slots`' inverse: the slots put back into `template`'s containers."""
+    return {k: jax.tree.unflatten(jax.tree.structure(v), [slot[k] for slot in slots])
+            for k, v in template.items()}
 
 
 def leaf_sharding(mesh, shape) -> NamedSharding:
@@ -240,8 +267,9 @@ def _portable(pipe, state: dict, host: bool = False) -> dict:
     rest = []
     for node in jax.tree.leaves(state["opt_state"], is_leaf=is_slot):
         if is_slot(node):
-            for layer, tree in zip(layers, unpack(pipe, "params", node)):
-                layer["opt"].append(tree)
+            for slot in _slots(node):
+                for layer, tree in zip(layers, unpack(pipe, "params", slot)):
+                    layer["opt"].append(tree)
         else:
             rest.append(np.asarray(node) if host else node)
     if holds_model_tree(pipe):      # one split model: its own tree, whatever the cuts
@@ -269,9 +297,12 @@ def _from_portable(pipe, template: dict, portable: dict, host: bool = False) -> 
             # In the slot's own dtype (adam's mu_dtype): packed like the parameters, a
             # bf16 mu came back float32 and the next step failed; a float32 one beside
             # bf16 parameters was rounded to bf16.
-            out.append(pack(pipe, "params", [layer["opt"][slot] for layer in layers],
-                            pipe.param_len, {k: node[k].dtype for k in pipe.param_len}))
-            slot += 1
+            packed = []
+            for like in _slots(node):
+                packed.append(pack(pipe, "params", [layer["opt"][slot] for layer in layers],
+                                   pipe.param_len, {k: like[k].dtype for k in pipe.param_len}))
+                slot += 1
+            out.append(_from_slots(node, packed))
         else:
             out.append(asarray(next(rest), dtype=node.dtype))
     return {"variables": variables, "opt_state": jax.tree.unflatten(treedef, out)}

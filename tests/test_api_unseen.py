@@ -10,6 +10,7 @@ Bad inputs: each must be one clear ValueError / TypeError naming the fix, raised
 tracing or constructing, not from deep inside jax, flax or optax.
 """
 import functools
+import typing
 
 import flax
 import flax.linen as nn
@@ -774,3 +775,57 @@ def test_a_weighted_mean_with_a_weight_per_row_is_refused():
     with pytest.raises(ValueError, match=r"has shape \(8,\)"):
         jp.reference_value_and_grad(DENSE, pipe.unpack(v), PerRow(), X, t, data=2,
                                     num_microbatches=2)
+
+
+class _Moment(typing.NamedTuple):
+    m: jax.Array
+
+
+def _momentum_per_parameter(wrap, read, lr=0.05, beta=0.9):
+    """Momentum whose state holds a container per parameter (`wrap(array)`), as one
+    written with `jax.tree.map(lambda p: {"m": ...}, params)`."""
+    is_box = lambda q: isinstance(q, _Moment) or (isinstance(q, dict) and set(q) == {"m"})  # noqa: E731
+
+    def update(g, state, params=None):
+        state = jax.tree.map(lambda q, d: wrap(beta * read(q) + d), state, g, is_leaf=is_box)
+        return jax.tree.map(lambda q: -lr * read(q), state, is_leaf=is_box), state
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(lambda p: wrap(jnp.zeros_like(p)), params), update)
+
+
+@pytest.mark.parametrize("container", ["dict", "namedtuple"])
+def test_a_per_parameter_optimizer_state_resumes_on_another_layout(tmp_path, container):
+    # Not told apart from counts, its arrays were saved as they were packed: restored on
+    # 2x4 interleaved (buffers of the same shapes) each layer got another layer's
+    # momentum, silently; on 4x2 refused as "another model"; a NamedTuple's could not
+    # be restored at all (a tracer converted to numpy).
+    from jaxhybrid.checkpoint import Checkpointer
+    wrap, read = ((lambda m: {"m": m}), (lambda q: q["m"])) if container == "dict" else (
+        _Moment, (lambda q: q.m))
+    tx = _momentum_per_parameter(wrap, read)
+    layers = [Dense() for _ in range(8)]
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    t = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def make(data, pipe, **kwargs):
+        return jp.Pipeline(layers, mesh=jh.make_mesh(data=data, pipe=pipe), num_microbatches=4,
+                           **kwargs)
+    saver = make(2, 4, boundaries=[2, 4, 6])
+    v = saver.init(jax.random.key(2), x)
+    opt, step = saver.init_optimizer(tx, v), saver.train_step(mse, tx)
+    for _ in range(2):
+        _, _, v, opt = step(v, opt, x, t)
+    checkpointer = Checkpointer(str(tmp_path), keep=1)
+    checkpointer.save(2, saver, {"variables": v, "opt_state": opt}, {"rng": [0, 0],
+                                                                    "data_position": 2})
+    checkpointer.wait()
+    want_loss, _, want, _ = step(v, opt, x, t)
+    for other in (make(2, 4, schedule="interleaved", virtual_stages=2), make(4, 2, zero=1),
+                  make(1, 8)):
+        other.init(jax.random.key(3), x)
+        template = other.pack(saver.unpack(v))
+        state, _ = checkpointer.restore(other, {"variables": template, "opt_state":
+                                                other.init_optimizer(tx, template)})
+        loss, _, got, _ = other.train_step(mse, tx)(state["variables"], state["opt_state"], x, t)
+        _close(loss, want_loss)
+        _close(other.unpack(got), saver.unpack(want))

@@ -108,9 +108,10 @@ def opt_state_shardings(mesh, opt_state: PyTree, params: dict, is_slot,
     data = int(mesh.shape[DATA])
     lengths = {k: v.shape[-1] for k, v in params.items()}
 
-    def slot(node):
-        return {k: NamedSharding(mesh, P(stage[0], DATA) if lengths[k] % data == 0 else stage)
-                for k in node}
+    def slot(node):   # (a container of arrays under each key: every array alike)
+        return {k: jax.tree.map(lambda _, k=k: NamedSharding(
+            mesh, P(stage[0], DATA) if lengths[k] % data == 0 else stage), v)
+            for k, v in node.items()}
 
     return jax.tree.map(lambda node: slot(node) if is_slot(node) else NamedSharding(mesh, P()),
                         opt_state, is_leaf=is_slot)
