@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 from typing import Any, Mapping
 
 import ml_collections
@@ -260,8 +261,12 @@ class IntListParser(flags.ListParser):
 def define_int_list(name: str, default, help: str, minimum: int = 1) -> None:   # noqa: A002
     """absl's DEFINE_list for whole numbers: `FLAGS.<name>` is a list of ints, checked
     when the flags are parsed (`IntListParser`)."""
+    # Filed under the caller's module, so the script's `--help` lists it (absl lists the
+    # main module's flags, and files a flag under the module that called DEFINE: here).
+    caller = sys._getframe(1).f_globals.get("__name__", "")
     flags.DEFINE(IntListParser(minimum), name, default, help,
-                 serializer=flags.CsvListSerializer(","))
+                 serializer=flags.CsvListSerializer(","),
+                 module_name=sys.argv[0] if caller == "__main__" else caller)
 
 
 __all__ = ["CONFIG_DIR", "IntListParser", "available_configs", "base_config", "config_keys",

@@ -35,13 +35,15 @@ def main() -> None:
     # Only affects the host (CPU) platform; a GPU host still runs on its GPUs.
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     from absl import app
+    from absl import flags
     module = importlib.import_module(MODES[mode])   # defines only this mode's flags
+    flags.adopt_module_key_flags(module)   # `--help` lists them (absl: the main module's)
 
     def run(argv):
         try:
             module.main(argv)
-        except ValueError as e:   # jaxhybrid's input errors: one line naming the fix
-            raise SystemExit(f"bench {mode}: {e}") from None
+        except (ValueError, OSError) as e:   # input errors, unreadable / unwritable paths:
+            raise SystemExit(f"bench {mode}: {e}") from None   # one line naming the fix
     app.run(run)
 
 

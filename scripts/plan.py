@@ -107,6 +107,9 @@ def main(argv):
         if suffix.lower() not in ("", ".png"):   # matplotlib took it as the format, after planning
             raise ValueError(f"--plot={FLAGS.plot}: the charts are PNGs; give a path ending in "
                              f".png (or no suffix: .png is added).")
+        if FLAGS.plot and (os.path.isdir(FLAGS.plot) or FLAGS.plot.endswith(os.sep)):
+            raise ValueError(f"--plot={FLAGS.plot} is a folder; give a file name in it, e.g. "
+                             f"{os.path.join(FLAGS.plot, 'plan.png')}.")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,
@@ -117,13 +120,16 @@ def main(argv):
           f"data={config.mesh.data} x pipe={config.mesh.pipe}, "
           f"M={config.pipeline.num_microbatches}, batch {config.train.batch_size}")
     print(plan.summary())
-    if FLAGS.plot:   # the files written (--plot=chart wrote chart.png, printed as chart)
-        gantt, memory = plan.plot(FLAGS.plot)
-        print(f"chart: {gantt}\nmemory chart: {memory}")
-    if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            f.write(plan.to_json())
-        print(f"plan: {FLAGS.json}")
+    try:   # the plan first: a chart that cannot be written does not lose it
+        if FLAGS.json:
+            with open(FLAGS.json, "w") as f:
+                f.write(plan.to_json())
+            print(f"plan: {FLAGS.json}")
+        if FLAGS.plot:   # the files written (--plot=chart wrote chart.png, printed as chart)
+            gantt, memory = plan.plot(FLAGS.plot)
+            print(f"chart: {gantt}\nmemory chart: {memory}")
+    except OSError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,9 @@ def test_plot_writes_png(tmp_path):
     p.plot(str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    for folder in (str(tmp_path), str(tmp_path) + "/", str(tmp_path / "new") + "/"):
+        with pytest.raises(ValueError, match="names a folder"):   # wrote <folder>/.png.png
+            p.plot(folder)
 
 
 def _budget_between(lo, hi, frac=0.4):

@@ -110,3 +110,17 @@ def test_chart_title_gives_the_bars_span_and_the_step_by_part(monkeypatch, tmp_p
         assert f"+ {1e3 * step.engine:.3g} engine" in title
         assert f"+ {1e3 * step.transfer:.3g} transfers" in title
         assert paths == [str(tmp_path / "chart.png"), str(tmp_path / "chart_memory.png")]
+
+
+def test_a_folder_for_the_chart_is_refused_and_the_plan_kept(tmp_path):
+    # "--plot=outdir/" wrote the hidden outdir/.png.png (printed as outdir/.png); an
+    # unwritable chart ended in a traceback after planning and the --json was lost.
+    tiny = ["--config=gpt_hybrid.py", "--size=tiny", "--stages=2", "--data=1",
+            "--microbatches=2", "--batch_size=8"]
+    r = _run(*tiny, f"--plot={tmp_path}{os.sep}")
+    assert r.returncode != 0 and "is a folder" in r.stderr
+    assert not list(tmp_path.iterdir())
+    js = tmp_path / "p.json"
+    r = _run(*tiny, f"--json={js}", "--plot=/proc/p.png")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:")
+    assert Plan.from_json(js.read_text()).num_stages == 2

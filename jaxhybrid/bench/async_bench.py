@@ -291,6 +291,10 @@ def main(argv) -> None:
     startup.enable_caches(startup.default_cache_dir() if FLAGS.cache_dir is None
                           else FLAGS.cache_dir)
     if FLAGS.from_json:
+        if FLAGS.json and os.path.abspath(FLAGS.json) == os.path.abspath(FLAGS.from_json):
+            raise ValueError(f"--json={FLAGS.json} is the file --from_json reads; its rows "
+                             f"would be rewritten with this run's predictions: write another "
+                             f"file.")
         print_saved(FLAGS.from_json)
         return
     rows = []

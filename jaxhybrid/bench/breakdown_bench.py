@@ -91,9 +91,7 @@ def main(argv) -> None:
     if jax.device_count() < 4:
         raise ValueError(f"needs 4 devices, found {jax.device_count()}; on CPU set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=8.")
-    if FLAGS.speed_m % 4:
-        raise ValueError(f"--speed_m={FLAGS.speed_m} must be a multiple of 4 (DP "
-                         f"accumulating runs speed_m / 4 microbatches on each of 4 devices).")
+    pipeline_bench.check_speed_m(FLAGS.speed_m)
     t = time.perf_counter()
     r = breakdown(FLAGS.width, FLAGS.microbatch, FLAGS.speed_m, FLAGS.trace_schedule,
                   FLAGS.blocks, FLAGS.speed_model, FLAGS.trace_steps)

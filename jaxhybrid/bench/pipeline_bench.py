@@ -126,7 +126,7 @@ def speed_rows(widths, blocks: int, mb: int, repeats: int, schedule: str = "1f1b
         batch = make_batch(M * mb)   # one global batch for every layout
         step = lambda **kw: pipeline_step(layers, loss_fn, per_layer, batch, **kw)[:2]
         t = least(dict(piped=step(data=1, pipe=4, M=M, schedule=schedule),
-                       dp1=step(data=4, pipe=1, M=1), dp2=step(data=4, pipe=1, M=max(1, M // 4))),
+                       dp1=step(data=4, pipe=1, M=1), dp2=step(data=4, pipe=1, M=M // 4)),
                   repeats)
         rows.append(dict(width=width, microbatch=mb, schedule=schedule, M=M, model=model, **t))
     return rows
@@ -217,8 +217,17 @@ def compile_table(schedules, ms, model: str = "inception_v3") -> None:
                   flush=True)
 
 
+def check_speed_m(m: int) -> None:
+    """The DP-accumulating step runs m / 4 microbatches on each of 4 devices: with m not a
+    multiple of 4 it would be another program than the pipelined step's work."""
+    if m < 4 or m % 4:
+        raise ValueError(f"--speed_m={m} must be a multiple of 4 (DP accumulating runs "
+                         f"speed_m / 4 microbatches on each of 4 devices).")
+
+
 def main(argv) -> None:
     del argv
+    check_speed_m(FLAGS.speed_m)
     if jax.device_count() < 8:
         raise SystemExit(f"bench pipeline: needs 8 devices, found {jax.device_count()}; on CPU "
                          f"set XLA_FLAGS=--xla_force_host_platform_device_count=8.")

@@ -252,6 +252,11 @@ class Plan:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        if os.path.isdir(path) or str(path).endswith(os.sep) or os.path.basename(
+                os.path.splitext(str(path))[0]) in ("", "."):
+            # "outdir/" wrote the hidden outdir/.png.png and printed outdir/.png
+            raise ValueError(f"Plan.plot: {path!r} names a folder, not a file; give a file "
+                             f"name, e.g. {os.path.join(str(path), 'plan.png')!r}.")
         stem, suffix = os.path.splitext(path)
         # Named here, not left to matplotlib (which takes the suffix from rcParams and
         # so could write chart.svg), so that the paths returned are the files written.
