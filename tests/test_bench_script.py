@@ -129,6 +129,10 @@ ENTRY %main (a: f32[7,8], i: s32[], w: f32[8,8]) -> f32[4,8] {
     (["projection", "--val_configs=2x4"], "write [schedule:]data x pipe x microbatches"),
     (["collectives", "--devices=1"], "bench collectives: --devices=1 must be 2..8"),
     (["breakdown", "--speed_m=6"], "bench breakdown: --speed_m=6 must be a multiple of 4"),
+    # Its DP-accumulating column was the plain DP program, printed as another figure.
+    (["pipeline", "--speed_m=2"], "bench pipeline: --speed_m=2 must be a multiple of 4"),
+    # A traceback (FileNotFoundError), and --json over its own --from_json rewrote it.
+    (["async", "--from_json=/nonexistent/rows.jsonl"], "bench async: [Errno 2]"),
 ])
 def test_bench_modes_reject_bad_flags_in_one_line(args, message):
     """Before any figure is measured: a bad list entry stops flag parsing; the modes'
@@ -137,6 +141,24 @@ def test_bench_modes_reject_bad_flags_in_one_line(args, message):
                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr + r.stdout
+
+
+def test_async_refuses_to_write_over_the_rows_it_reads(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(open(os.path.join(ROOT, "docs", "async_study.jsonl"), "rb").read())
+    before = rows.read_bytes()
+    r = subprocess.run([sys.executable, BENCH, "async", f"--from_json={rows}",
+                        f"--json={rows}", "--hardware=h100_dgx"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode != 0 and "is the file --from_json reads" in r.stderr
+    assert rows.read_bytes() == before
+
+
+def test_a_modes_help_lists_its_flags():
+    # absl lists only the main module's flags: --help showed none of the mode's.
+    r = subprocess.run([sys.executable, BENCH, "pipeline", "--help"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert "--speed_m:" in r.stdout + r.stderr
 
 
 def test_bench_modules_the_tests_import_share_one_process():
