@@ -145,6 +145,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv[:split])
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices_per_process must be >= 1")
+    if not 0 <= args.port <= 65535:   # every process failed to connect, after starting
+        parser.error(f"--port={args.port} must be a TCP port, 1..65535 (0: a free one)")
+    if not args.stop_grace_s >= 0:
+        parser.error(f"--stop_grace_s={args.stop_grace_s} must be >= 0 seconds")
     return launch(args, argv[split + 1:])
 
 

@@ -280,6 +280,15 @@ def test_launcher_fails_when_every_process_fails_at_once(tmp_path):
                          out.stdout), out.stdout
 
 
+@pytest.mark.parametrize("flag,message", [("--port=99999", "must be a TCP port"),
+                                          ("--stop_grace_s=-1", "must be >= 0 seconds")])
+def test_launcher_refuses_a_port_or_grace_that_cannot_be(flag, message):
+    # Accepted: every process then failed to reach the coordinator, or was not waited for.
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"),
+                          "--processes=2", flag], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
 def test_a_process_whose_peer_never_starts_says_what_it_waited_for(tmp_path):
     """Process 0 of 2 alone: jax aborts it from C++ after --initialization_timeout with
     "DEADLINE_EXCEEDED ... RegisterTask" and "most likely indicates that another task

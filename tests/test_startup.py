@@ -124,6 +124,12 @@ def test_unreadable_cache_entry_is_profiled_afresh(tmp_path):
     entry.write_text("{half written")
     assert len(profile(LAYERS, X, cache_dir=tmp_path)) == 4
     assert entry.read_text().startswith("[")
+    # A number edited to null or text (a TypeError in the planner's arithmetic before).
+    rows = json.loads(entry.read_text())
+    rows[1]["fwd_time"], rows[2]["param_bytes"] = None, "12"
+    entry.write_text(json.dumps(rows))
+    again = profile(LAYERS, X, cache_dir=tmp_path)
+    assert all(isinstance(c.fwd_time, float) and isinstance(c.param_bytes, int) for c in again)
 
 
 def test_enable_caches_turns_both_on_and_off(tmp_path):

@@ -269,9 +269,13 @@ def _cache_path(directory: str, parts: list) -> pathlib.Path:
 
 def _read_cache(path: pathlib.Path) -> list[LayerCost] | None:
     try:
-        return [LayerCost.from_dict(d) for d in json.loads(path.read_text())]
+        costs = [LayerCost.from_dict(d) for d in json.loads(path.read_text())]
     except (OSError, ValueError, TypeError):   # missing, or unreadable: profile afresh
         return None
+    # A hand-edited entry with null or text in a number failed later, in the planner's
+    # arithmetic: profile afresh.
+    numbers = all(isinstance(getattr(c, f), (int, float)) for c in costs for f in COST_FIELDS)
+    return costs if numbers else None
 
 
 def _write_cache(path: pathlib.Path, costs: list[LayerCost]) -> None:
