@@ -86,8 +86,7 @@ def _param_slot_test(params: dict):
         structure = None
         for k, s in shapes.items():
             leaves, treedef = jax.tree.flatten(node[k])
-            if not leaves or any(tuple(getattr(l, "shape", ())) != s or not hasattr(l, "shape")
-                                 for l in leaves):
+            if not leaves or any(not hasattr(l, "shape") or tuple(l.shape) != s for l in leaves):
                 return False
             if structure is not None and structure != treedef:   # another container
                 return False

@@ -97,6 +97,7 @@ def main(argv):
     if len(argv) > 1:   # one line, as every other error (not absl's page of flags)
         sys.exit(f"error: unexpected arguments {argv[1:]}; flags are --name=value.")
     from jaxhybrid.plan import plan_from_config
+    from jaxhybrid.plan.plan import check_chart_path
     try:
         for flag, path in (("--plot", FLAGS.plot), ("--json", FLAGS.json)):
             folder = os.path.dirname(os.path.abspath(path)) if path else None
@@ -107,9 +108,8 @@ def main(argv):
         if suffix.lower() not in ("", ".png"):   # matplotlib took it as the format, after planning
             raise ValueError(f"--plot={FLAGS.plot}: the charts are PNGs; give a path ending in "
                              f".png (or no suffix: .png is added).")
-        if FLAGS.plot and (os.path.isdir(FLAGS.plot) or FLAGS.plot.endswith(os.sep)):
-            raise ValueError(f"--plot={FLAGS.plot} is a folder; give a file name in it, e.g. "
-                             f"{os.path.join(FLAGS.plot, 'plan.png')}.")
+        if FLAGS.plot:
+            check_chart_path(FLAGS.plot, "--plot")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,

@@ -15,6 +15,7 @@ from jaxhybrid.bench.projection_steps import (Model, parse_val_configs, predict,
                                               stream_bandwidth, time_steps)
 from jaxhybrid.plan import hybrid
 from jaxhybrid.plan.hardware import Hardware, measured_device
+from jaxhybrid.plan.layer_cost import cpu_seconds, layer_times
 
 
 def parse_cal_configs(items, schedule: str | None, width: int) -> list[tuple]:
@@ -80,9 +81,9 @@ def fit_engine_terms(base: Hardware, measured, predict_fn, max_slots: float) -> 
 def cores_busy(costs) -> float:
     """The cores a model's measured layers kept busy on average (CPU over wall seconds,
     `LayerCost.fwd_threads`), weighted by their times."""
-    wall = sum(c.fwd_time + c.bwd_time for c in costs)
-    cpu = sum(c.fwd_time * c.fwd_threads + c.bwd_time * c.bwd_threads for c in costs)
-    return float(cpu / wall) if wall > 0 else 1.0
+    wall = float(layer_times(costs).sum())
+    cpu = float(sum(x.sum() for x in cpu_seconds(costs)))
+    return cpu / wall if wall > 0 else 1.0
 
 
 @dataclasses.dataclass

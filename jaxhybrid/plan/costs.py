@@ -184,9 +184,17 @@ def layer_signature(layer) -> str:
 def _file_hash(obj) -> str:
     """A hash of the source file defining `obj` ("" when there is none)."""
     try:
-        return hashlib.sha256(pathlib.Path(inspect.getsourcefile(obj)).read_bytes()).hexdigest()[:16]
+        return _hash_of_file(inspect.getsourcefile(obj))
     except (TypeError, OSError):
         return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _hash_of_file(path: str) -> str:
+    """Read once per process: every layer's class and the functions it holds (each
+    Dense's initialisers) point at a few files, and the code in them does not change
+    while the process runs."""
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _functions_in(value, depth: int = 0) -> list:

@@ -58,6 +58,7 @@ import numpy as np
 
 from jaxhybrid.boundaries import stage_ranges, stage_sums
 from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.layer_cost import cpu_seconds
 from jaxhybrid.plan.hardware import Hardware
 from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times, pipeline_topology,
                                            replica_offsets)
@@ -116,8 +117,7 @@ def cpu_on_hardware(costs: Sequence[LayerCost], hw: Hardware, fwd, bwd) -> tuple
     prices by measured times; the times themselves otherwise."""
     if not hw.uses_measured_times:
         return np.asarray(fwd, float), np.asarray(bwd, float)
-    return (np.asarray(fwd, float) * [c.fwd_threads for c in costs],
-            np.asarray(bwd, float) * [c.bwd_threads for c in costs])
+    return cpu_seconds(costs)
 
 
 def grad_params(c: LayerCost, data: int, per_worker_batch: int) -> float:

@@ -137,6 +137,13 @@ def cost_arrays(costs: Sequence[LayerCost]) -> dict[str, np.ndarray]:
     return out
 
 
+def cpu_seconds(costs: Sequence[LayerCost]) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) CPU seconds per layer: the measured times x the cores each
+    kept busy (`fwd_threads`, `bwd_threads`)."""
+    return (np.array([c.fwd_time * c.fwd_threads for c in costs], dtype=float),
+            np.array([c.bwd_time * c.bwd_threads for c in costs], dtype=float))
+
+
 def layer_times(costs: Sequence[LayerCost]) -> np.ndarray:
     """fwd + bwd time per layer (the partition's input)."""
     return np.array([c.fwd_time + c.bwd_time for c in costs], dtype=float)

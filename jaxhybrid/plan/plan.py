@@ -20,6 +20,7 @@ import numpy as np
 from jaxhybrid.boundaries import check_boundaries, stage_ranges, stage_sums
 from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.layer_cost import cpu_seconds
 from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.memory_cuts import cuts_that_fit
@@ -252,11 +253,7 @@ class Plan:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        if os.path.isdir(path) or str(path).endswith(os.sep) or os.path.basename(
-                os.path.splitext(str(path))[0]) in ("", "."):
-            # "outdir/" wrote the hidden outdir/.png.png and printed outdir/.png
-            raise ValueError(f"Plan.plot: {path!r} names a folder, not a file; give a file "
-                             f"name, e.g. {os.path.join(str(path), 'plan.png')!r}.")
+        check_chart_path(path, "Plan.plot")
         stem, suffix = os.path.splitext(path)
         # Named here, not left to matplotlib (which takes the suffix from rcParams and
         # so could write chart.svg), so that the paths returned are the files written.
@@ -426,9 +423,9 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     fwd = stage_sums([c.fwd_time for c in times], cuts)
     bwd = stage_sums([c.bwd_time for c in times], cuts)
     bwd = bwd + recompute_time(times, cuts, remat)
-    fwd_cpu = stage_sums([c.fwd_time * c.fwd_threads for c in times], cuts)
-    bwd_cpu = stage_sums([c.bwd_time * c.bwd_threads + (c.fwd_time * c.fwd_threads if r else 0.0)
-                          for c, r in zip(times, remat)], cuts)
+    cpu_f, cpu_b = cpu_seconds(times)
+    fwd_cpu = stage_sums(cpu_f, cuts)
+    bwd_cpu = stage_sums(cpu_b + np.where(remat, cpu_f, 0.0), cuts)   # recomputed too
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
                                   **shard)
     engine, slots, per_tick = {}, None, 0.0
@@ -451,6 +448,17 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                 schedule_options=dict(sched.options), table=sched, compute_slots=slots,
                 transfer_per_tick=per_tick, stage_fwd_cpu=fwd_cpu.tolist(),
                 stage_bwd_cpu=bwd_cpu.tolist(), **engine)
+
+
+def check_chart_path(path, what: str) -> None:
+    """A ValueError where `path` (`Plan.plot`'s) is a folder rather than a file name:
+    "outdir/" wrote the hidden outdir/.png.png and reported outdir/.png."""
+    import os
+    path = str(path)
+    if os.path.isdir(path) or path.endswith(os.sep) or os.path.basename(
+            os.path.splitext(path)[0]) in ("", "."):
+        raise ValueError(f"{what}: {path!r} is a folder, or names a folder, not a file; give "
+                         f"a file name in it, e.g. {os.path.join(path, 'plan.png')!r}.")
 
 
 RANDOM_STARTS = 4   # random device orders the split/mapping alternation also starts from
