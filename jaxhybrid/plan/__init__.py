@@ -15,7 +15,8 @@ from jaxhybrid.plan.costs import (LayerCost, cost_arrays, device_peak, layer_tim
 from jaxhybrid.plan.partitioning import (OBJECTIVES, StageCosts, device_grid, map_devices,
                                       partition, stage_costs)
 from jaxhybrid.plan.from_config import plan_from_config
-from jaxhybrid.plan.plan import Plan, make_plan
+from jaxhybrid.plan.plan import Plan
+from jaxhybrid.plan.planner import make_plan
 from jaxhybrid.plan.memory_model import spmd_memory
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
 from jaxhybrid.plan.topology import (Topology, fmt_bytes, parse_bandwidth, parse_bytes,

@@ -2,7 +2,7 @@
 of scripts/plan.py (the same reading of the config as `jaxhybrid.train`'s pipeline)."""
 from __future__ import annotations
 
-from jaxhybrid.plan.plan import checked_budget, checked_topology, make_plan
+from jaxhybrid.plan.planner import checked_budget, checked_topology, make_plan
 from jaxhybrid.plan.topology import Topology
 from jaxhybrid.schedules import make_schedule
 

@@ -1,0 +1,265 @@
+"""`make_plan`: layer costs -> a `Plan` (the split, the device order, what to recompute,
+and the predicted times and memory of the engine's step; `jaxhybrid.plan.plan` holds
+the Plan itself). The steps, each a function below: check the arguments, build the
+schedule, cut the layers into stages (alternating with the device mapping on a
+non-uniform topology), choose recomputation under a memory budget (re-cutting where
+no recomputation fits), then price the stages with the one memory model
+(`memory_model.spmd_memory`) and the one step model (`step_model`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from jaxhybrid.boundaries import check_boundaries, stage_sums
+from jaxhybrid.checks import is_int
+from jaxhybrid.plan.costs import LayerCost
+from jaxhybrid.plan.layer_cost import cpu_seconds
+from jaxhybrid.plan.memory_cuts import cuts_that_fit
+from jaxhybrid.plan.memory_model import spmd_memory
+from jaxhybrid.plan.model_axis import local_cost
+from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
+from jaxhybrid.plan.plan import Plan
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
+from jaxhybrid.plan.step_model import engine_terms, tick_transfer
+from jaxhybrid.plan.topology import Topology, parse_bytes
+from jaxhybrid.schedules import make_schedule
+
+
+def _objective_value(sc, objective: str, M: int) -> float:
+    t = sc.per_microbatch
+    return float(t.max()) if objective == "bottleneck" else float(t.sum() + (M - 1) * t.max())
+
+
+def checked_budget(value, what: str) -> float:
+    """The budget in bytes; a bad one named ("size must be > 0, got 0.0" said not which)."""
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{what}={value!r}: {e}") from None
+
+
+def checked_topology(topology, stages: int, data: int, v: int, who: str, flag: str):
+    """`topology` (a spec string parsed) when it can carry `stages` x `data` devices without
+    virtual stages (`v` per device), which the link model does not price yet; else a
+    ValueError from `who` naming `flag`."""
+    if topology is None:
+        return None
+    if v > 1:
+        raise ValueError(f"{who}: a topology with virtual stages is not modelled yet; drop "
+                         f"{flag} or use a schedule without virtual stages.")
+    if isinstance(topology, str):
+        topology = Topology.from_spec(topology)
+    if topology.n < stages * data:
+        raise ValueError(f"{who}: {stages} stages x data={data} need {stages * data} devices "
+                         f"but the topology has {topology.n}; pass a bigger topology.")
+    return topology
+
+
+def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
+    """The user's boundaries, checked by the one boundary check (as ValueErrors: make_plan
+    reports every bad argument as one)."""
+    try:
+        return check_boundaries(boundaries, L, S)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"make_plan: {e}") from None
+
+
+
+
+def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: int,
+              schedule: str = "1f1b", data: int = 1, topology: Topology | str | None = None,
+              memory_budget: float | str | None = None, objective: str = "bottleneck",
+              microbatch_size: int | None = None, param_state_factor: float = 4,
+              device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
+              boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
+              hardware=None, model: int = 1, zero_shards: int = 1,
+              remat: Sequence[bool] | None = None) -> Plan:
+    """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
+    partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
+    all-reduced over `data`), device mapping on a non-uniform topology (alternating with
+    re-partitioning until the mapping stops changing), recompute choice when
+    `memory_budget` is set, and the resulting predicted times and memory. Memory is the
+    engine's (`memory_model.spmd_memory`: every device sizes its buffers for the largest stage;
+    the budget bounds `device_memory`). `hardware` (a `Hardware`, e.g.
+    `calibration.stored_hardware()`): its engine terms (per-tick cost, compute slots)
+    price the predicted step as the projection does; None: layer work and transfers only.
+    model: tensor-parallel degree (times and memory of one device's share of each layer,
+    `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
+    (ZeRO; 1 without). remat: one bool per layer, recomputation already chosen (the
+    user's); its memory and recompute time are predicted instead of choosing one."""
+    costs = _checked_costs(costs, data=data, virtual_stages=virtual_stages,
+                           num_stages=num_stages, num_microbatches=num_microbatches,
+                           param_state_factor=param_state_factor,
+                           microbatch_size=microbatch_size)
+    M, L = int(num_microbatches), len(costs)
+    sched = _planned_schedule(schedule, int(num_stages), M, virtual_stages, L)
+    S, v = sched.num_stages, sched.virtual_stages
+    topology = checked_topology(topology, S, data, v, "make_plan", "topology=")
+    budget = None if memory_budget is None else checked_budget(memory_budget, "make_plan: memory_budget")
+    shard = dict(model=model, zero_shards=zero_shards)
+    times = [local_cost(c, model) for c in costs]     # one device's share of each layer
+    t = np.array([c.fwd_time + c.bwd_time for c in times])
+    link = {}
+    if topology is not None:
+        # One device's share: with model > 1 a device all-reduces its part of the
+        # parameters over its replicas, not the whole layer's (`local_cost`).
+        link = dict(topology=topology, boundary_bytes=[c.out_bytes for c in times], data=data,
+                    param_bytes=[c.param_bytes for c in times] if data > 1 else None)
+    if device_order is not None:
+        device_grid(S // v, int(data), topology, device_order)   # distinct devices
+    cut = lambda fixed: _cuts_and_order(times, t, S, M, data, objective, topology,  # noqa: E731
+                                        device_order, fixed, max_mapping_rounds, link)
+    cuts, order, sc = cut(boundaries)
+    if remat is not None and len(remat) != L:
+        raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
+    remat = [False] * L if remat is None else [bool(r) for r in remat]
+    if budget is not None:
+        try:
+            remat = choose_remat_spmd(costs, cuts, sched, budget,
+                                      param_state_factor=param_state_factor, **shard)
+        except MemoryBudgetError as e:
+            if boundaries is not None:
+                raise
+            cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e, num_microbatches=M,
+                                        param_state_factor=param_state_factor, **shard)
+            cuts, order, sc = cut(cuts)
+    mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
+                                  **shard)
+    engine, slots = _engine_fields(hardware, times, cuts, sched, data)
+    return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
+                schedule=sched.name, data=int(data),
+                device_order=None if order is None else [int(d) for d in order],
+                remat=[bool(r) for r in remat],
+                stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
+                stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
+                memory_budget=budget, objective=objective, microbatch_size=costs[0].batch_size,
+                topology=None if topology is None else (topology.description or repr(topology)),
+                device_memory=device_mem, virtual_stages=v,
+                schedule_options=dict(sched.options), table=sched, compute_slots=slots,
+                transfer_per_tick=_transfer_per_tick(topology, times, cuts, order, S, data),
+                **_stage_times(times, cuts, remat), **engine)
+
+
+def _checked_costs(costs, *, data, virtual_stages, num_stages, num_microbatches,
+                   param_state_factor, microbatch_size) -> list[LayerCost]:
+    """The costs as a list, at `microbatch_size`, after checking `make_plan`'s numbers
+    before any work: data=0 or -1 gave a plan "x data 0" (no topology), virtual_stages=0
+    was read as 1."""
+    costs = list(costs)
+    if not costs or not all(isinstance(c, LayerCost) for c in costs):
+        raise ValueError("make_plan: costs must be a non-empty list of LayerCost (plan.profile(...)).")
+    for name, value in (("data", data), ("virtual_stages", virtual_stages),
+                        ("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"make_plan: {name}={value!r} must be an int >= 1.")
+    if not param_state_factor >= 2:   # below 2 the optimizer state came out negative
+        raise ValueError(f"make_plan: param_state_factor={param_state_factor!r} would give "
+                         f"(factor - 2) x params of optimizer state, less than none; use >= 2 "
+                         f"(2: no optimizer state, 4: Adam's two moments).")
+    if microbatch_size is not None and microbatch_size != costs[0].batch_size:
+        costs = [c.scaled(microbatch_size) for c in costs]
+    return costs
+
+
+def _planned_schedule(schedule, num_stages: int, M: int, virtual_stages: int, L: int):
+    """The schedule's table (the name and sizes checked early; `schedule` may be a
+    Schedule, e.g. interleaved with virtual stages: then num_stages devices hold S x v
+    stages, planned as such), refused where it has more stages than `L` layers."""
+    sched = make_schedule(schedule, num_stages, M,
+                          **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {}))
+    S, v = sched.num_stages, sched.virtual_stages
+    if S > L:   # named in the user's terms (partition would say "16 stages" for 4 x 4)
+        how = f"{S // v} devices x {v} stages each ({sched.name}) = " if v > 1 else ""
+        raise ValueError(f"make_plan: {how}{S} stages but only {L} layers; use "
+                         + ("fewer virtual stages, " if v > 1 else "")
+                         + "fewer pipeline stages or split the model into more layers.")
+    return sched
+
+
+def _stage_times(times, cuts, remat) -> dict:
+    """The Plan's per-stage seconds per microbatch: forward, backward (with what it
+    recomputes), both, and the CPU seconds of each (`layer_cost.cpu_seconds`)."""
+    fwd = stage_sums([c.fwd_time for c in times], cuts)
+    bwd = stage_sums([c.bwd_time for c in times], cuts) + recompute_time(times, cuts, remat)
+    cpu_f, cpu_b = cpu_seconds(times)
+    return dict(stage_fwd_time=fwd.tolist(), stage_bwd_time=bwd.tolist(),
+                stage_compute_time=(fwd + bwd).tolist(),
+                stage_fwd_cpu=stage_sums(cpu_f, cuts).tolist(),
+                # a recomputed layer's forward runs again in the backward
+                stage_bwd_cpu=stage_sums(cpu_b + np.where(remat, cpu_f, 0.0), cuts).tolist())
+
+
+def _transfer_per_tick(topology, times, cuts, order, S: int, data: int) -> float:
+    """Seconds a tick's boundary transfers take over the topology's links (0 without a
+    topology or with one stage; no virtual stages with a topology: `checked_topology`)."""
+    if topology is None or S == 1:
+        return 0.0
+    dev = list(range(S * data)) if order is None else order
+    links = {(dev[r * S + k], dev[r * S + k + 1]) for r in range(data) for k in range(S - 1)}
+    return tick_transfer(topology, links, max(times[b - 1].out_bytes for b in cuts))
+
+
+RANDOM_STARTS = 4   # random device orders the split/mapping alternation also starts from
+
+
+def _cuts_and_order(costs, t, S: int, M: int, data: int, objective: str, topology,
+                    device_order, boundaries, max_rounds: int, link: dict):
+    """(cuts, device order, stage costs): `boundaries` kept, or a partition of the layer
+    times `t`; on a non-uniform topology with no given order, partition and device
+    mapping alternate until the mapping stops changing, from in order and from
+    stage-major (the best objective kept)."""
+    L = len(costs)
+    remap = (topology is not None and device_order is None and not topology.is_uniform()
+             and boundaries is None)
+    starts = [None if device_order is None else list(device_order)]
+    if remap:
+        # From in order (replica-major) and, with replicas, from stage-major (a stage's
+        # replicas on neighbouring devices): from in order alone the alternation stopped
+        # at a replica crossing nodes, 1.3-1.9x slower than the best (cuts, order) on
+        # 2 nodes x 3 devices, data=2.
+        starts = [list(range(S * data))]
+        if data > 1 and S > 1:
+            starts.append([s * data + r for r in range(data) for s in range(S)])
+        rng = np.random.default_rng(0)   # and a few seeded random orders, when cheap
+        starts += [rng.permutation(topology.n)[:S * data].tolist()
+                   for _ in range(RANDOM_STARTS if L * S <= 20_000 else 0)]
+    best = None
+    for order in starts:
+        for _ in range(max(1, max_rounds)):
+            cuts = (partition(t, S, device_order=order, objective=objective, num_microbatches=M,
+                              **link)
+                    if boundaries is None else _fixed_cuts(boundaries, S, L))
+            sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
+            value = _objective_value(sc, objective, M)
+            if best is None or value < best[0] * (1 - 1e-9):
+                best = (value, cuts, order, sc)
+            if not remap or S * data == 1:
+                break
+            new = map_devices([costs[b - 1].out_bytes for b in cuts], topology, data,
+                              stage_times=sc.compute,
+                              stage_param_bytes=stage_sums([c.param_bytes for c in costs], cuts),
+                              num_microbatches=M)
+            if new == order:
+                break
+            order = new
+    return best[1:]
+
+
+def _engine_fields(hardware, times, cuts, sched, data: int) -> tuple[dict, float | None]:
+    """(Plan's engine-term fields, its compute_slots or None) on `hardware`, priced as the
+    projection prices them: the engine's ticks only with more than one pipeline device;
+    none without `hardware`."""
+    if hardware is None:
+        return {}, None
+    engine = dict(compute_slots=hardware.compute_slots)
+    devices = sched.num_stages // sched.virtual_stages
+    if devices > 1:
+        stage_params = stage_sums([c.param_count for c in times], cuts)
+        engine = engine_terms(hardware, np.bincount(sched.stage_device,
+                                                    weights=stage_params).max(),
+                              devices * data)
+    slots = engine.pop("compute_slots")
+    return engine, (slots if math.isfinite(slots) else None)
