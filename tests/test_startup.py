@@ -18,6 +18,7 @@ import pytest
 import jaxhybrid as jh
 from jaxhybrid import checkpoint, optim, startup, train
 from jaxhybrid import pipeline as jp
+from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as costs_mod
 from jaxhybrid.plan import profile
 
@@ -137,9 +138,9 @@ def test_enable_caches_turns_both_on_and_off(tmp_path):
     try:
         assert startup.enable_caches(tmp_path / "c") == str(tmp_path / "c")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c" / "xla")
-        assert costs_mod.cache_dir() == str(tmp_path / "c")
+        assert cost_cache.cache_dir() == str(tmp_path / "c")
         assert startup.enable_caches("") is None
-        assert costs_mod.cache_dir() is None and jax.config.jax_compilation_cache_dir is None
+        assert cost_cache.cache_dir() is None and jax.config.jax_compilation_cache_dir is None
         (tmp_path / "file").write_text("")
         with pytest.raises(ValueError, match="--cache_dir"):
             startup.enable_caches(tmp_path / "file")

@@ -29,6 +29,7 @@ import numpy as np
 import json
 import re
 
+from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
@@ -82,8 +83,8 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                tuple((u.op.name, u.length, tuple((prog.avals[i].shape, str(prog.avals[i].dtype))
                                                  for i in (*u.ins, *u.outs))) for u in seg.units))
         disk = None
-        if sig not in seen and plan_costs.cache_dir() is not None:
-            disk = plan_costs._cache_path(plan_costs.cache_dir(), [_FORMAT, repr(sig), [
+        if sig not in seen and cost_cache.cache_dir() is not None:
+            disk = cost_cache.cache_path(cost_cache.cache_dir(), [_FORMAT, repr(sig), [
                 _unit_text(u) for u in seg.units], [(prog.avals[i].shape, str(prog.avals[i].dtype)) for i in outs]])
             try:
                 seen[sig] = tuple(json.loads(disk.read_text()))
@@ -98,7 +99,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             seen[sig] = (f_flops, f_bytes, b_flops, b_bytes,
                          _residuals(fwd, avals, diff, len(var_ids), outs, prog))
             if disk is not None:
-                plan_costs._write_text(disk, json.dumps(seen[sig]))
+                cost_cache.write_text(disk, json.dumps(seen[sig]))
         f_flops, f_bytes, b_flops, b_bytes, res = seen[sig]
         if res is None:   # not traceable alone: every float value it makes, an upper bound
             made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
