@@ -38,7 +38,9 @@ flags.DEFINE_integer("virtual_stages", None, "stages per device of --schedule=in
                      "this many stages.")
 flags.DEFINE_string("topology", None, 'e.g. "2x4:intra=300GB/s,inter=12GB/s".')
 flags.DEFINE_string("memory_budget", None, 'bytes per device, e.g. "16GB".')
-flags.DEFINE_enum("objective", None, ["bottleneck", "alpa"], "stage objective.")
+flags.DEFINE_enum("objective", None, ["bottleneck", "alpa", "step"],
+                  "stage objective: the least slowest stage, alpa's sum + (M - 1) x slowest "
+                  "stage, or the least predicted step (make_plan).")
 flags.DEFINE_bool("measure", False, "time each layer instead of the roofline estimate.")
 flags.DEFINE_string("plot", "plan.png", "PNG path of the Gantt chart ('.png' added when it "
                     "has no suffix); the memory chart goes to <stem>_memory.png beside it "

@@ -8,6 +8,8 @@ no recomputation fits), then price the stages with the one memory model
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Sequence
 
@@ -20,12 +22,14 @@ from jaxhybrid.plan.layer_cost import cpu_seconds
 from jaxhybrid.plan.memory_cuts import cuts_that_fit
 from jaxhybrid.plan.memory_model import spmd_memory
 from jaxhybrid.plan.model_axis import local_cost
-from jaxhybrid.plan.partitioning import device_grid, map_devices, partition, stage_costs
+from jaxhybrid.plan.partitioning import OBJECTIVES, device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.plan import Plan
 from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
 from jaxhybrid.plan.step_model import engine_terms, tick_transfer
 from jaxhybrid.plan.topology import Topology, parse_bytes
 from jaxhybrid.schedules import make_schedule
+
+PLAN_OBJECTIVES = (*OBJECTIVES, "step")
 
 
 def _objective_value(sc, objective: str, M: int) -> float:
@@ -89,11 +93,17 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     model: tensor-parallel degree (times and memory of one device's share of each layer,
     `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
     (ZeRO; 1 without). remat: one bool per layer, recomputation already chosen (the
-    user's); its memory and recompute time are predicted instead of choosing one."""
+    user's); its memory and recompute time are predicted instead of choosing one.
+    objective: "bottleneck" (the least slowest stage, ties to the most even split),
+    "alpa" (sum + (M - 1) x slowest stage) or "step" (the least predicted step,
+    `fastest_cuts`: the schedule's fill and drain, the engine terms of `hardware`)."""
     costs = _checked_costs(costs, data=data, virtual_stages=virtual_stages,
                            num_stages=num_stages, num_microbatches=num_microbatches,
                            param_state_factor=param_state_factor,
                            microbatch_size=microbatch_size)
+    if objective not in PLAN_OBJECTIVES:
+        raise ValueError(f"make_plan: objective={objective!r}; choose one of "
+                         f"{', '.join(PLAN_OBJECTIVES)}.")
     M, L = int(num_microbatches), len(costs)
     sched = _planned_schedule(schedule, int(num_stages), M, virtual_stages, L)
     S, v = sched.num_stages, sched.virtual_stages
@@ -110,12 +120,23 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
                     param_bytes=[c.param_bytes for c in times] if data > 1 else None)
     if device_order is not None:
         device_grid(S // v, int(data), topology, device_order)   # distinct devices
-    cut = lambda fixed: _cuts_and_order(times, t, S, M, data, objective, topology,  # noqa: E731
+    cut_by = "bottleneck" if objective == "step" else objective
+    cut = lambda fixed: _cuts_and_order(times, t, S, M, data, cut_by, topology,  # noqa: E731
                                         device_order, fixed, max_mapping_rounds, link)
     cuts, order, sc = cut(boundaries)
     if remat is not None and len(remat) != L:
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
+    priced = functools.partial(_priced_plan, costs, times, sched, data=int(data),
+                               topology=topology, hardware=hardware, budget=budget,
+                               objective=objective, param_state_factor=param_state_factor,
+                               shard=shard)
+    if objective == "step" and boundaries is None:
+        def step_time(c):
+            c_sc = stage_costs(t, c, device_order=order, num_microbatches=M, **link)
+            return priced(c, order, c_sc, remat).predicted_step_time
+        cuts = fastest_cuts(cuts, L, step_time)
+        sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
     if budget is not None:
         try:
             remat = choose_remat_spmd(costs, cuts, sched, budget,
@@ -126,21 +147,67 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
             cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e, num_microbatches=M,
                                         param_state_factor=param_state_factor, **shard)
             cuts, order, sc = cut(cuts)
+    return priced(cuts, order, sc, remat)
+
+
+def _priced_plan(costs, times, sched, cuts, order, sc, remat, *, data, topology, hardware,
+                 budget, objective, param_state_factor, shard) -> Plan:
+    """The Plan of these cuts, device order, stage costs `sc` and recomputation: its stage
+    times, memory (`memory_model.spmd_memory`) and the engine terms its predicted step
+    (`Plan.predicted_step`, the one step model) is priced with."""
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
                                   **shard)
     engine, slots = _engine_fields(hardware, times, cuts, sched, data)
-    return Plan(num_layers=L, boundaries=[int(b) for b in cuts], num_stages=S, num_microbatches=M,
-                schedule=sched.name, data=int(data),
+    S = sched.num_stages
+    return Plan(num_layers=len(costs), boundaries=[int(b) for b in cuts], num_stages=S,
+                num_microbatches=sched.num_microbatches, schedule=sched.name, data=data,
                 device_order=None if order is None else [int(d) for d in order],
                 remat=[bool(r) for r in remat],
                 stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
                 stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
                 memory_budget=budget, objective=objective, microbatch_size=costs[0].batch_size,
                 topology=None if topology is None else (topology.description or repr(topology)),
-                device_memory=device_mem, virtual_stages=v,
+                device_memory=device_mem, virtual_stages=sched.virtual_stages,
                 schedule_options=dict(sched.options), table=sched, compute_slots=slots,
                 transfer_per_tick=_transfer_per_tick(topology, times, cuts, order, S, data),
                 **_stage_times(times, cuts, remat), **engine)
+
+
+# objective="step": every split is priced where there are at most this many; else a
+# descent from the bottleneck split, moving one cut by up to `_STEP_MOVE` layers at a time.
+EXHAUSTIVE_SPLITS, _STEP_MOVE = 300, 2
+
+
+def fastest_cuts(start: list[int], L: int, step_time) -> list[int]:
+    """The cuts of `L` layers into len(start) + 1 stages with the least `step_time(cuts)`
+    (the predicted step, `Plan.predicted_step_time`), `start` (the least bottleneck's)
+    kept on ties: every split when there are at most `EXHAUSTIVE_SPLITS`, else a steepest
+    descent from `start` (each round the best move of one cut by 1.._STEP_MOVE layers)
+    until no move shortens the step. A split by the bottleneck stage alone ignores the
+    fill and drain: on a mixed model at M=4 a split with a larger bottleneck was
+    predicted 8.8% faster."""
+    best, best_time = list(start), step_time(start)
+    better = lambda s: s < best_time * (1 - 1e-9)  # noqa: E731
+    if math.comb(L - 1, len(start)) <= EXHAUSTIVE_SPLITS:
+        for c in itertools.combinations(range(1, L), len(start)):
+            if better(s := step_time(list(c))):
+                best, best_time = list(c), s
+        return best
+    while True:
+        moves = []
+        for k in range(len(best)):
+            lo = best[k - 1] + 1 if k else 1
+            hi = best[k + 1] - 1 if k + 1 < len(best) else L - 1
+            for d in range(-_STEP_MOVE, _STEP_MOVE + 1):
+                if d and lo <= best[k] + d <= hi:
+                    c = best[:k] + [best[k] + d] + best[k + 1:]
+                    moves.append((step_time(c), c))
+        if not moves:
+            return best
+        s, c = min(moves)
+        if not better(s):
+            return best
+        best, best_time = c, s
 
 
 def _checked_costs(costs, *, data, virtual_stages, num_stages, num_microbatches,
