@@ -317,6 +317,50 @@ def test_a_scan_over_the_leading_axis_warns_of_time_major_inputs():
             jax.random.key(1), jnp.ones((16, 5, D)))       # [B=16, T=5]
 
 
+class _DropLayer(nn.Module):
+    train: bool
+
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.Dropout(0.1, deterministic=not self.train)(jnp.tanh(nn.Dense(D)(h))), None
+
+
+class ScannedLayers(nn.Module):
+    """Four Dense+dropout layers under nn.scan, the dropout keys split per layer."""
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        stack = nn.scan(_DropLayer, variable_axes={"params": 0},
+                        split_rngs={"params": True, "dropout": True}, length=4)
+        return stack(train)(x, None)[0]
+
+
+def test_a_scan_over_layers_as_many_as_a_microbatchs_rows_does_not_warn():
+    # The scan's per-layer dropout keys (uint32[4, 2]) were taken for per-example
+    # values: "the gradients are wrong" where they were exact.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jp.Pipeline(ScannedLayers(), mesh=jh.make_mesh(data=1, pipe=2),
+                    num_microbatches=2).init(jax.random.key(1), jnp.ones((8, D)))
+
+
+class _CallTimeRngs(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.drop = nnx.Linear(D, D, rngs=rngs), nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.drop(nnx.relu(self.l1(x)), rngs=rngs)
+
+
+def test_an_nnx_dropout_without_rngs_is_refused_with_the_fix():
+    # flax's own message ("no `rngs` argument was provided to Dropout") named neither the
+    # pipeline nor the fix.
+    with pytest.raises(ValueError, match=r"^Splitter: an NNX module takes its rngs at call "
+                                         r"time.*give it rngs= when you build it"):
+        jp.Pipeline(_CallTimeRngs(nnx.Rngs(0)), mesh=jh.make_mesh(data=1, pipe=2),
+                    num_microbatches=2).init(jax.random.key(1), jnp.ones((8, D)))
+
+
 def test_a_split_models_step_names_bad_targets_inputs_and_losses_first():
     # The splitter's loss check ran first: targets of another batch size were blamed on
     # loss_fn, inputs unlike init's gave flax's ScopeParamShapeError, and a (loss, aux)

@@ -60,18 +60,24 @@ def _warn_if_scanning_the_batch_axis(t, x_abs) -> None:
     """A scan over the leading axis of activations as long as a microbatch: a time-major
     model (`nn.RNN(time_major=True)` on [T, B, ...]) whose inputs the pipeline cuts along
     time, which trains silently wrong (gradients 55% off in a probe), or `lax.map` over
-    the examples, which is fine. Scans over stacked parameters or keys (layers) are not
-    counted. A warning, since the two cannot be told apart from the program."""
+    the examples, which is fine. Only scanned values computed from the inputs count:
+    not stacked parameters, keys or RNG counts (a layer scan, `nnx.scan` over `nnx.vmap`'d
+    layers, `nn.scan` splitting dropout keys: the warning fired on those where the layers
+    were as many as a microbatch's rows). A warning, since the two cannot be told apart
+    from the program."""
     leaves = jax.tree.leaves(x_abs)
     rows = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
     if rows < 2:
         return
+    from_inputs = set(t.x_ids)
     for op in t.prog.ops:
+        if any(i in from_inputs for i in op.ins):
+            from_inputs.update(op.outs)
         if op.eqn.primitive.name != "scan" or int(op.eqn.params["length"]) != rows:
             continue
         nc, ncarry = scan_layout(op)
-        xs = [i for i in op.ins[nc + ncarry:] if i not in t.var_of_id and i not in t.prog.consts
-              and not _is_key(t.prog.avals[i]) and np.shape(t.prog.avals[i])[:1] == (rows,)]
+        xs = [i for i in op.ins[nc + ncarry:] if i in from_inputs and not _is_key(t.prog.avals[i])
+              and np.shape(t.prog.avals[i])[:1] == (rows,)]
         if xs:
             warnings.warn(f"Splitter: the model scans over a leading axis of "
                           f"{rows} steps, as many as a microbatch has rows. The pipeline "

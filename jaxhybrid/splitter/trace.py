@@ -335,6 +335,16 @@ def _trace_errors(thunk):
                          f"({str(e).splitlines()[0]}), e.g. BatchNorm(axis_name=...) for a "
                          f"pmap trainer; build it with axis_name=None (the pipeline runs "
                          f"each microbatch as its own batch, as the model does unmapped).") from e
+    except ValueError as e:
+        # nnx.Dropout (or a module like it) left to take its rngs at call time: the
+        # pipeline calls model(x), so flax said only that none were given.
+        if "no `rngs` argument was provided" not in str(e):
+            raise
+        raise ValueError("Splitter: an NNX module takes its rngs at call time (e.g. "
+                         "nnx.Dropout(rate)(x, rngs=rngs)), and the pipeline calls model(x) "
+                         "with none; give it rngs= when you build it (nnx.Dropout(rate, "
+                         "rngs=rngs)) or keep an nnx.Rngs on the model and pass "
+                         "rngs=self.rngs.") from e
     except flax.errors.InvalidRngError as e:
         raise ValueError(f"Splitter: the model draws from an rng stream other than "
                          f"'dropout' ({str(e).splitlines()[0]}); the pipeline gives "
