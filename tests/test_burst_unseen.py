@@ -432,7 +432,7 @@ def test_assign_slots_puts_no_task_where_there_is_no_idle_time():
 
 
 def test_background_job_of_no_examples_is_refused():
-    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):   # ran silently
+    with pytest.raises(ValueError, match="batch_size=0 must be an int >= 1"):   # ran silently
         multiplex.BackgroundJob(BG_LAYERS, xent, optax.sgd(0.1), 0)
 
 
@@ -470,3 +470,104 @@ def test_planner_argument_mismatches_are_refused():
     for kw in (dict(bg_step_time=0.0), dict(efficiency=2.0), dict(bg_batch=-1)):
         with pytest.raises(ValueError, match="throughput: bg_step_time"):
             multiplexing.throughput(p, **{"bg_step_time": 0.01, "bg_batch": 8, **kw})
+
+
+# --- found by a probe (fifteenth session) --------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(optax.clip_by_global_norm(0.01), optax.sgd(0.1)),
+    lambda: optax.apply_if_finite(optax.sgd(0.1), 3)])
+def test_an_optimizer_that_looks_across_layers_is_refused(make):
+    # Devices that skip a layer hold zero gradients for it: a global-norm clip moved
+    # device 1's copy of layer 0 6e-4 from device 0's in one step, silently.
+    mesh = make_mesh(data=8)
+    x, y, v = _data(16)
+    prog = burst.BurstProgram(LAYERS, xent, (8, 1, 2, 1, 4), mesh, 16)
+    opt = make()
+    ts = burst.init_train_state(opt, v, mesh)
+    with pytest.raises(ValueError, match="depends on other layers' gradients.*first_copy"):
+        burst.train_step(prog, opt, ts, x, y, jax.random.key(0))
+    job = multiplex.BackgroundJob(BG_LAYERS, xent, opt, 2)   # its own whole model: fine
+    with pytest.raises(ValueError, match="^MuxProgram: this optimizer's update of a layer"):
+        multiplex.MuxProgram(prog, opt, job)
+
+
+def test_per_layer_optimizers_pass_the_layer_check():
+    from jaxhybrid.pipeline.optimizer_checks import check_layer_by_layer
+    for opt in (optax.adam(1e-2), optax.lamb(1e-2), optax.sgd(0.1, momentum=0.9),
+                optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.ndim > 0, p))):
+        check_layer_by_layer(opt, "test")
+
+
+class _Carry(nn.Module):
+    @nn.compact
+    def __call__(self, tok, train: bool = False):
+        return {"h": nn.Embed(11, 6)(tok).mean(1), "tok": tok}
+
+
+class _Mid(nn.Module):
+    @nn.compact
+    def __call__(self, d, train: bool = False):
+        return {"h": nn.Dense(6)(d["h"]) + d["tok"][:, :1], "tok": d["tok"]}
+
+
+class _Out(nn.Module):
+    @nn.compact
+    def __call__(self, d, train: bool = False):
+        return nn.Dense(5)(d["h"])
+
+
+def test_an_integer_activation_leaf_crosses_width_changes_in_a_multiplexed_step():
+    # The explicit backward sent the integer leaf's float0 cotangent through the
+    # widening relayout's "out + part": a TypeError deep in jax.
+    G, B = 8, 16
+    mesh = make_mesh(data=G)
+    layers = [_Carry(), _Mid(), _Out()]
+    tok = np.random.RandomState(3).randint(0, 11, (B, 4)).astype(np.int32)
+    y = (np.arange(B) % 5).astype(np.int32)
+    v = init_layers(layers, jax.random.PRNGKey(0), tok[:2])
+    prog = burst.BurstProgram(layers, xent, (8, 2, 1), mesh, B)
+    opt = optax.sgd(0.1)
+    job = multiplex.BackgroundJob([nn.Dense(5)], xent, opt, 2)
+    mux = multiplex.MuxProgram(prog, opt, job)
+    bx = np.ones((G, 2, 4), np.float32)
+    by = np.zeros((G, 2), np.int32)
+    fg = burst.init_train_state(opt, v, mesh)
+    bg = burst.init_train_state(opt, init_layers(job.layers, jax.random.PRNGKey(1), bx[0]), mesh)
+    alone_loss, alone = burst.train_step(prog, opt, fg, tok, y, None)
+    out = multiplex.multiplexed_step(mux, fg, bg, tok, y, bx, by, None, jax.random.key(0))
+    assert float(out[0]) == pytest.approx(float(alone_loss), rel=1e-6)
+    assert _err(burst.first_copy(out[1]["params"]), burst.first_copy(alone["params"])) < 1e-6
+
+
+def test_batch_statistics_keep_their_dtype_on_skipping_devices():
+    # Statistics kept in bfloat16 came back float32 from float32 inputs on the devices
+    # that run the layer, and the skipping branch's bfloat16 failed the cond ("branches
+    # must have equal output types"); so did float32 statistics under x64.
+    mesh = make_mesh(data=8)
+    x, y, v = _data(16)
+    v = [{**u, **({"batch_stats": jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                                                u["batch_stats"])} if "batch_stats" in u else {})}
+         for u in v]
+    prog = burst.BurstProgram(LAYERS, xent, (2, 1, 2, 1, 4), mesh, 16)
+    loss, _, new = burst.value_and_grad(prog, burst.replicate(v, mesh), x, y, jax.random.key(1))
+    assert np.isfinite(float(loss))
+    assert {a.dtype for a in jax.tree.leaves(new[0]["batch_stats"])} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_bad_program_arguments_are_refused_before_any_step():
+    mesh = make_mesh(data=8)
+    for kw, match in [(dict(layers=[]), "no layers"), (dict(batch_size=0), "batch_size=0"),
+                      (dict(widths=(2.7,) * 5), "whole numbers of devices, got 2.7")]:
+        args = dict(layers=LAYERS, loss_fn=xent, widths=(8,) * 5, mesh=mesh, batch_size=16)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            burst.BurstProgram(**args)
+    with pytest.raises(ValueError, match="branches\\[1\\] is empty"):
+        planner.plan_burst(_handmade, num_devices=8, batch_size=16, branches={1: []})
+    with pytest.raises(ValueError, match="must be ints >= 1"):
+        planner.plan_burst(_handmade, num_devices=2.5, batch_size=16)
+    x, y, v = _data(16)
+    prog = burst.BurstProgram(LAYERS, xent, (8,) * 5, mesh, 16)
+    ts = burst.init_train_state(optax.sgd(0.1), v, mesh)
+    with pytest.raises(ValueError, match="opt_state was made by another optimizer"):
+        burst.train_step(prog, optax.adam(1e-3), ts, x, y, jax.random.key(0))

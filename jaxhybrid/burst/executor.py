@@ -41,6 +41,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import distributed
+from jaxhybrid.burst.checks import (check_batch, check_opt_state, check_program,  # noqa: F401
+                                    check_rows, check_stacked, check_widths, checked_optimizer)
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA, PIPE
 
@@ -60,6 +62,7 @@ class BurstProgram:
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
+        check_program(self.layers, self.widths, self.batch_size)
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         check_loss_fn(self.loss_fn, "BurstProgram")
         check_widths(self.widths, len(self.layers), self.num_devices, self.batch_size)
@@ -71,44 +74,6 @@ class BurstProgram:
     @property
     def num_devices(self) -> int:
         return int(dict(self.mesh.shape)[DATA])
-
-
-def check_widths(widths: Sequence[int], num_layers: int, G: int, batch_size: int) -> None:
-    if len(widths) != num_layers:
-        raise ValueError(f"burst: {len(widths)} widths for {num_layers} layers; give one per layer.")
-    if batch_size % G:
-        raise ValueError(f"burst: batch_size={batch_size} must be a multiple of the {G} devices "
-                         f"of the data axis.")
-    for l, g in enumerate(widths):
-        # A width that does not divide G (4 of 6 devices) broke the relayouts with a shape
-        # error; G itself (6) is plain data parallelism, power of two or not.
-        if g < 1 or g > G or G % g or (g & (g - 1) and g != G):
-            raise ValueError(f"burst: width {g} of layer {l} must be a power of two dividing "
-                             f"the {G} devices of the data axis, or {G}.")
-
-
-def check_rows(what: str, tree: PyTree, rows: int, fix: str) -> None:
-    """Every leaf of `tree` has `rows` as its leading dimension (traced shapes are
-    static: checked while the step is traced)."""
-    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = np.shape(a)
-        if not shape or shape[0] != rows:
-            raise ValueError(f"burst: {what}{jax.tree_util.keystr(path)} has shape "
-                             f"{tuple(shape)}; its leading dimension must be {rows}: {fix}")
-
-
-def check_batch(program: "BurstProgram", inputs, targets) -> None:
-    """The global batch must have the program's batch_size rows (other row counts were
-    split over the devices anyway and failed deep inside a layer or the loss)."""
-    B = program.batch_size
-    fix = f"the program was built with batch_size={B} (BurstProgram(..., batch_size))."
-    check_rows("inputs", inputs, B, fix)
-    check_rows("targets", targets, B, fix)
-
-
-def check_stacked(what: str, tree: PyTree, G: int) -> None:
-    check_rows(what, tree, G, "state is kept per device: pass burst.replicate(variables, "
-                              "mesh) or burst.init_train_state(optimizer, variables, mesh).")
 
 
 def chunk_loss(program: "BurstProgram", y, t):
@@ -144,6 +109,16 @@ def _relayout(x: PyTree, g_from: int, g_to: int, batch: int, what: str = "activa
                 f"a width change ({g_from} -> {g_to} devices) every leaf must have the batch "
                 f"as its leading dimension ({rows} rows per device): batch such values, or "
                 f"keep the two layers at the same width.")
+    leaves, treedef = jax.tree.flatten(x)
+    empty = [getattr(a, "dtype", None) == jax.dtypes.float0 for a in leaves]
+    if any(empty):
+        # An integer leaf's cotangent (float0) has nothing to move, and "out + part"
+        # below cannot add it: zeros of the new row count in its place.
+        moved = iter(_relayout([a for a, e in zip(leaves, empty) if not e], g_from, g_to,
+                               batch, what))
+        return jax.tree.unflatten(treedef, [
+            np.zeros((batch // g_to, *np.shape(a)[1:]), jax.dtypes.float0) if e else next(moved)
+            for a, e in zip(leaves, empty)])
     if g_from > g_to:          # narrowing: device j gathers the blocks of j*r .. j*r+r-1
         r = g_from // g_to
 
@@ -195,7 +170,13 @@ def groups(g: int, G: int):
 
 
 def _unbox_like(tree, like):
-    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
+    """`tree`'s leaves in the structure and dtypes of `like` (the state a layer was
+    given): under x64, float64 inputs gave float32 batch statistics back as float64, and
+    the skipping branch's float32 failed the cond ("branches must have equal output
+    types")."""
+    return jax.tree.unflatten(jax.tree.structure(like), [
+        n.astype(o.dtype) if hasattr(o, "dtype") else n
+        for n, o in zip(jax.tree.leaves(tree), jax.tree.leaves(like))])
 
 
 def layer_cond(layer, index: int, width: int, params, state, x, rng, idle=None, idle_carry=None):
@@ -461,6 +442,8 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
     """One burst step plus the optimizer update on every device's copy. Returns
     (loss, new train state: current for the program's widths)."""
     check_stacked("train_state", train_state, program.num_devices)
+    checked_optimizer(optimizer, "burst.train_step")
+    check_opt_state(optimizer, train_state, "burst.train_step")
     inputs, targets, rng = on_every_process(program, "train_step", inputs, targets, rng)
     loss, new = _train_step(program, optimizer, current_for(program, train_state), inputs,
                             targets, rng)

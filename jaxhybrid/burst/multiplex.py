@@ -33,10 +33,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import distributed
+from jaxhybrid.burst.checks import check_batch, check_stacked, checked_optimizer
 from jaxhybrid.burst.executor import (BurstProgram, TrainState, _squeeze, _stack,
-                                      apply_update, check_batch, check_stacked,
-                                      current_for, explicit_value_and_grad,
+                                      apply_update, current_for, explicit_value_and_grad,
                                       on_every_process, shard, weighed)
+from jaxhybrid.checks import is_int
 from jaxhybrid.layers import apply_layer, check_loss_fn, layer_rng, loss_dtype, scalar_loss
 from jaxhybrid.mesh import DATA
 
@@ -55,9 +56,9 @@ class BackgroundJob:
         if not self.layers:
             raise ValueError("BackgroundJob: no layers.")
         check_loss_fn(self.loss_fn, "BackgroundJob")
-        if int(self.batch_size) < 1:      # 0 ran a job of empty batches silently
-            raise ValueError(f"BackgroundJob: batch_size={self.batch_size} must be >= 1 "
-                             f"(examples per device instance).")
+        if not is_int(self.batch_size) or self.batch_size < 1:   # 0 ran empty batches
+            raise ValueError(f"BackgroundJob: batch_size={self.batch_size!r} must be an int "
+                             f">= 1 (examples per device instance).")
 
     @property
     def task_names(self) -> list[str]:
@@ -117,6 +118,7 @@ class MuxProgram:
     slots: Any = None
 
     def __post_init__(self):
+        checked_optimizer(self.fg_optimizer, "MuxProgram")
         G, T = self.fg.num_devices, len(self.bg.task_names)
         sw = np.asarray(slot_widths(self.fg.widths))
         slots = (assign_slots(sw, G, T) if self.slots is None else np.asarray(self.slots, int))

@@ -8,6 +8,10 @@ parameters (D-Adaptation, Prodigy), a skip decided by all gradients (apply_if_fi
 mask or label by the parameters' shapes, names or sizes. `check_per_element` probes the
 optimizer on small numpy trees and refuses such an optimizer, naming the fix
 (`pipe.value_and_grad` and the optimizer outside, on the packed or unpacked gradients).
+
+`check_layer_by_layer` is the burst executor's narrower check: there each device runs
+the optimizer on its copy of the model's own tree, with zero gradients for the layers it
+skips, so only an update that reads other leaves' gradients is refused.
 """
 from __future__ import annotations
 
@@ -194,3 +198,37 @@ def _check_on_device_buffers(optimizer, param_len: dict) -> None:
                          f"nor a scalar (shapes {odd[:3]}), e.g. factored or matrix-shaped "
                          f"state (adafactor, muon), which packed 1-D buffers do not have; "
                          f"{fix}.")
+
+
+def check_layer_by_layer(optimizer, who: str) -> None:
+    """A ValueError from `who` where `optimizer`'s update of one leaf depends on the
+    gradients of others (clip_by_global_norm, apply_if_finite, a step size from all
+    parameters). A burst step runs the optimizer on every device's copy of the model,
+    and a device that skips a layer holds zero gradients for it: such an optimizer
+    moved device 1's copy of a layer 6e-4 from device 0's in one step, silently. Per
+    leaf trust ratios (lamb) and masks by name or shape see the model's own tree there
+    and are fine. Probed on two leaves, the other's gradients given or zero, over
+    `_STEPS` updates; a probe the optimizer cannot run is left to the real call."""
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ValueError(f"{who}: optimizer must be an optax.GradientTransformation (e.g. "
+                         f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    rs = np.random.RandomState(1)
+    draw = lambda: {"kernel": rs.randn(6).astype(np.float32),  # noqa: E731
+                    "other": rs.randn(6).astype(np.float32)}
+    params, grads = draw(), [draw() for _ in range(_STEPS)]
+    grads[0]["other"] *= 1e6   # a clip by the norm of all gradients bites here
+    grads[2]["other"][0] = np.nan   # a skip decided by all gradients (apply_if_finite) here
+    alone = [{"kernel": g["kernel"], "other": np.zeros(6, np.float32)} for g in grads]
+    try:
+        with_other, without = _run(optimizer, params, grads), _run(optimizer, params, alone)
+    except Exception:   # noqa: BLE001 - see the docstring
+        return
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((with_other, without))):
+        return
+    if not all(_close(a["kernel"], b["kernel"]) for a, b in zip(with_other, without)):
+        raise ValueError(
+            f"{who}: this optimizer's update of a layer depends on other layers' gradients "
+            f"(e.g. clip_by_global_norm, apply_if_finite), and devices that skip a layer "
+            f"hold zero gradients for it, so their copies would drift from device 0's; use "
+            f"burst.value_and_grad and apply the optimizer to device 0's gradients "
+            f"(burst.first_copy(grads)), or an optimizer that acts layer by layer.")

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.checks import is_int
 from jaxhybrid.plan.burst_tables import (  # noqa: F401  (re-exported: the planner's API)
     DEFAULT_FAST_LAYER_TIME, KINDS, NO_SMALL_BATCH_LOSS, SMALL_BATCH_PRESETS, SmallBatchModel,
     _branch_options, _relayout_terms, _Tables, build_tables, cluster_topology, cost_fn,
@@ -211,9 +212,9 @@ def plan_burst(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx1"
     over the widest width (data loaded on every device). branches: {layer index: its
     parallel branches' costs (list or batch -> list)}: such a layer may also run its
     branches side by side on separate device groups (`BurstPlan.branch_groups`)."""
-    if num_devices < 1 or batch_size < 1:
-        raise ValueError(f"plan_burst: num_devices={num_devices} and batch_size={batch_size} "
-                         f"must be >= 1.")
+    if not (is_int(num_devices) and is_int(batch_size)) or num_devices < 1 or batch_size < 1:
+        raise ValueError(f"plan_burst: num_devices={num_devices!r} and batch_size="
+                         f"{batch_size!r} must be ints >= 1.")
     if not fast_layer_time >= 0:
         raise ValueError(f"plan_burst: fast_layer_time={fast_layer_time} must be >= 0 seconds "
                          f"(0: no layer is exempt from the amplification limit).")

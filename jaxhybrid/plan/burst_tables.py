@@ -256,6 +256,10 @@ def build_tables(costs, *, num_devices: int, batch_size: int, hardware="v100_dgx
         raise ValueError(f"burst: branches for layers {bad}; the model has layers 0.."
                          f"{len(full) - 1}.")
     for l, bcosts in (branches or {}).items():
+        if not callable(bcosts) and not list(bcosts):   # "the model has no layer costs"
+            raise ValueError(f"burst: branches[{l}] is empty; give the layer's parallel "
+                             f"branches' costs (a list, one entry per branch), or leave the "
+                             f"layer out of branches.")
         bfn = cost_fn(bcosts)
         bbase = None if callable(bcosts) else list(bcosts)
         times = [layer_times_at(bfn(batch_size // g), hw, model, bbase) for g in widths]
