@@ -48,10 +48,8 @@ def check_per_element(optimizer, param_len: dict) -> None:
     clip bites) and once with a non-finite gradient in one half; the same numbers as 2-D
     buffers, under parameter names and inside a large buffer. A probe the optimizer
     cannot run on these small arrays (its own checks) is left to the real call."""
-    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
-        raise ValueError(f"Pipeline: optimizer must be an optax.GradientTransformation (e.g. "
-                         f"optax.adam(1e-3)), got {type(optimizer).__name__}; for gradients "
-                         f"alone use pipe.value_and_grad(loss_fn).")
+    require_transformation(optimizer, "Pipeline",
+                           "; for gradients alone use pipe.value_and_grad(loss_fn)")
     _check_on_device_buffers(optimizer, param_len)
     keys = sorted(param_len)
     try:
@@ -68,6 +66,13 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return   # built from traced values (a hypergradient's learning rate): no numbers
     _check_elementwise(runs, keys)
     _check_names_and_sizes(runs, keys)
+
+
+def require_transformation(optimizer, who: str, hint: str = "") -> None:
+    """A ValueError from `who` unless `optimizer` has optax's init and update."""
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ValueError(f"{who}: optimizer must be an optax.GradientTransformation (e.g. "
+                         f"optax.adam(1e-3)), got {type(optimizer).__name__}{hint}.")
 
 
 class _Jitted(NamedTuple):
@@ -209,9 +214,7 @@ def check_layer_by_layer(optimizer, who: str) -> None:
     leaf trust ratios (lamb) and masks by name or shape see the model's own tree there
     and are fine. Probed on two leaves, the other's gradients given or zero, over
     `_STEPS` updates; a probe the optimizer cannot run is left to the real call."""
-    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
-        raise ValueError(f"{who}: optimizer must be an optax.GradientTransformation (e.g. "
-                         f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    require_transformation(optimizer, who)
     rs = np.random.RandomState(1)
     draw = lambda: {"kernel": rs.randn(6).astype(np.float32),  # noqa: E731
                     "other": rs.randn(6).astype(np.float32)}

@@ -18,7 +18,7 @@ import numpy as np
 from jaxhybrid.boundaries import check_boundaries, stage_sums
 from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
-from jaxhybrid.plan.layer_cost import cpu_seconds
+from jaxhybrid.plan.layer_cost import cpu_seconds, layer_times
 from jaxhybrid.plan.memory_cuts import cuts_that_fit
 from jaxhybrid.plan.memory_model import spmd_memory
 from jaxhybrid.plan.model_axis import local_cost
@@ -71,8 +71,6 @@ def _fixed_cuts(boundaries, S: int, L: int) -> list[int]:
         raise ValueError(f"make_plan: {e}") from None
 
 
-
-
 def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: int,
               schedule: str = "1f1b", data: int = 1, topology: Topology | str | None = None,
               memory_budget: float | str | None = None, objective: str = "bottleneck",
@@ -111,7 +109,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     budget = None if memory_budget is None else checked_budget(memory_budget, "make_plan: memory_budget")
     shard = dict(model=model, zero_shards=zero_shards)
     times = [local_cost(c, model) for c in costs]     # one device's share of each layer
-    t = np.array([c.fwd_time + c.bwd_time for c in times])
+    t = layer_times(times)
     link = {}
     if topology is not None:
         # One device's share: with model > 1 a device all-reduces its part of the
