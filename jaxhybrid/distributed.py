@@ -20,8 +20,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import os
+import socket
 
 import numpy as np
 
@@ -42,6 +44,16 @@ class Settings:
     process_id: int | None = None
     initialization_timeout: int = 300     # seconds to wait for every process to join
     heartbeat_timeout: int = 100          # seconds of silence before a process counts as dead
+    shutdown_timeout: int = 300           # seconds a finished process waits for the others
+
+
+# jax settings that change what a traced program computes or how its arguments are laid
+# out: processes that differ in one traced different programs and failed in a gloo
+# collective ("Received data size doesn't match expected size") or in jax's equality
+# check of a host value, with no word on the cause.
+JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                "jax_threefry_partitionable", "jax_numpy_rank_promotion",
+                "jax_numpy_dtype_promotion", "jax_disable_jit")
 
 
 def detected_cluster(environ=os.environ) -> str | None:
@@ -76,9 +88,10 @@ def resolve(settings: Settings, environ=os.environ) -> Settings | None:
     n, pid = values["num_processes"], values["process_id"]
     if n is not None and (n < 1 or (pid is not None and not 0 <= pid < n)):
         raise ValueError(f"distributed: process_id={pid} must be in [0, num_processes={n}).")
-    if settings.initialization_timeout < 1 or settings.heartbeat_timeout < 1:
-        raise ValueError("distributed: initialization_timeout and heartbeat_timeout must be "
-                         ">= 1 second.")
+    if min(settings.initialization_timeout, settings.heartbeat_timeout,
+           settings.shutdown_timeout) < 1:
+        raise ValueError("distributed: initialization_timeout, heartbeat_timeout and "
+                         "shutdown_timeout must be >= 1 second.")
     return dataclasses.replace(settings, **{k: values[k] for k in given})
 
 
@@ -102,13 +115,107 @@ def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
               f"{resolved.initialization_timeout} s for every process to start (one that "
               f"never does ends the others with DEADLINE_EXCEEDED ... RegisterTask)",
               file=sys.stderr, flush=True)
+    if resolved.process_id == 0 and resolved.coordinator_address:
+        check_coordinator_port(resolved.coordinator_address)
     jax.distributed.initialize(
         coordinator_address=resolved.coordinator_address,
         num_processes=resolved.num_processes, process_id=resolved.process_id,
         initialization_timeout=resolved.initialization_timeout,
-        heartbeat_timeout_seconds=resolved.heartbeat_timeout)
+        heartbeat_timeout_seconds=resolved.heartbeat_timeout,
+        shutdown_timeout_seconds=resolved.shutdown_timeout)
     exit_on_uncaught_error()
+    say_when_exit_waits(resolved.shutdown_timeout)
+    check_devices_per_process()      # first: jax's allgather needs as many devices everywhere
+    check_jax_settings_agree()
     return True
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a socket on this machine is bound to TCP `port` (any address). Checked
+    with SO_REUSEADDR, as gRPC binds: a closed job's TIME_WAIT connections do not count."""
+    for family, address in ((socket.AF_INET6, ("::", port)), (socket.AF_INET, ("", port))):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:          # no IPv6 on this machine
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise
+    return False
+
+
+def check_coordinator_port(address: str) -> None:
+    """ValueError when process 0's machine already uses the coordinator's port. gRPC
+    shares a port with another gRPC server (SO_REUSEPORT): a second job on the port of a
+    running one made the *running* job's processes abort ("tried to connect with a
+    different incarnation"); a port held by another program killed process 0 with SIGSEGV
+    after "Failed to add port to server"."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"distributed: coordinator_address={address!r} needs a port, "
+                         f"host:1..65535 (flag --coordinator_address or "
+                         f"JAX_COORDINATOR_ADDRESS).")
+    if port_in_use(int(port)):
+        raise ValueError(f"distributed: port {port} of coordinator_address={address!r} is "
+                         f"already in use on process 0's machine (another job's coordinator, "
+                         f"or another program); give this job a free port (launch_local.py "
+                         f"picks one when --port is not given).")
+
+
+def jax_settings() -> dict:
+    """This process's jax and jaxlib versions and `JAX_SETTINGS`, as strings."""
+    import jax
+    import jaxlib
+    return {"jax version": jax.__version__, "jaxlib version": jaxlib.__version__,
+            **{name: str(getattr(jax.config, name, None)) for name in JAX_SETTINGS}}
+
+
+def check_jax_settings_agree() -> None:
+    """ValueError (the same on every process) when a process runs another jax, jaxlib or
+    `JAX_SETTINGS` value than process 0 (JAX_ENABLE_X64=1 on one host). A collective
+    every process joins; `allgather_json` sends each process's size first, so processes
+    whose default integer widths differ still exchange their settings."""
+    try:
+        check_same_everywhere(jax_settings(), seen="runs with",
+                              fix="set the same JAX_* environment variables and jax.config "
+                                  "updates, and install the same jax and jaxlib, on every "
+                                  "process")
+    except ValueError as e:
+        raise ValueError(f"distributed: {e}") from None
+
+
+def say_when_exit_waits(shutdown_timeout: int, after_s: float = 10.0) -> None:
+    """At a normal exit, jax waits (`shutdown_timeout` s) until every process has exited
+    too; a process still running collectives waits for this one meanwhile (scripts whose
+    processes see different numbers of batches), and both aborted 5 minutes later with
+    DEADLINE_EXCEEDED and no word in between. If the exit still waits `after_s` s later,
+    this says so on stderr. Registered after jax's own exit hook, so it runs first."""
+    import atexit
+    import sys
+    import threading
+
+    import jax
+
+    def warn():
+        sys.stderr.write(f"distributed: process {jax.process_index()} finished but still "
+                         f"waits, up to {shutdown_timeout} s, for the other processes to "
+                         f"finish: one of them is still running, likely waiting for this one "
+                         f"in a collective (did the processes run different numbers of "
+                         f"steps or batches?)\n")
+        sys.stderr.flush()
+
+    def arm():
+        timer = threading.Timer(after_s, warn)
+        timer.daemon = True
+        timer.start()
+
+    atexit.register(arm)
 
 
 def exit_on_uncaught_error(_exit=os._exit) -> None:

@@ -242,6 +242,7 @@ def _check_processes_agree(config, workdir: pathlib.Path) -> None:
               **dict(flat(json.loads(config.to_json_best_effort(sort_keys=True))))}
     try:
         distributed.check_same_everywhere(fields)
+        distributed.check_jax_settings_agree()      # again: a config file may update them
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
 

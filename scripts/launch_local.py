@@ -13,6 +13,10 @@ When a process fails (non-zero exit or a signal) the launcher names it, gives th
 --stop_grace_s seconds to stop by themselves (jax.distributed stops them, naming the
 dead process, after train.py's --heartbeat_timeout), then terminates the rest, and exits
 with the failed process's code. Ctrl-C stops all of them.
+
+The launcher sets each process's id, the process count and the coordinator's address:
+the same flags after `--` (`--process_id`, `--num_processes`, `--coordinator_address`)
+would override them with one value for every process, and are refused.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from jaxhybrid import distributed
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 
@@ -44,6 +50,17 @@ def process_env(base: dict, process_id: int, processes: int, devices: int, port:
                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(processes),
                JAX_PROCESS_ID=str(process_id))
     return env
+
+
+# train.py flags that override the launcher's per-process environment (process_env).
+PER_PROCESS_FLAGS = ("--coordinator_address", "--num_processes", "--process_id")
+
+
+def per_process_flags(script_args: list[str]) -> list[str]:
+    """The flags among `script_args` that would give every process the same id, count or
+    address: one aborted with ALREADY_EXISTS and the other waited 300 s to start."""
+    names = {a.split("=", 1)[0].lstrip("-") for a in script_args if a.startswith("-")}
+    return [f for f in PER_PROCESS_FLAGS if f[2:] in names]
 
 
 def describe(code: int) -> str:
@@ -149,7 +166,15 @@ def main(argv=None) -> int:
         parser.error(f"--port={args.port} must be a TCP port, 1..65535 (0: a free one)")
     if not args.stop_grace_s >= 0:
         parser.error(f"--stop_grace_s={args.stop_grace_s} must be >= 0 seconds")
-    return launch(args, argv[split + 1:])
+    script_args = argv[split + 1:]
+    if per_process_flags(script_args):
+        parser.error(f"{', '.join(per_process_flags(script_args))} after `--` would give every "
+                     f"process the same value; remove it (the launcher sets each process's "
+                     f"id, the count and the address; --port picks the port)")
+    if args.port and distributed.port_in_use(args.port):
+        parser.error(f"--port={args.port} is already in use on this machine (another job's "
+                     f"coordinator, or another program); pick a free one, or leave --port out")
+    return launch(args, script_args)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,9 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "multi-process: seconds after which a silent (dead) process "
     "stops the others with an error naming it", flag_values=_STARTUP)
+_SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
+    "shutdown_timeout", 300, "multi-process: seconds a finished process waits at exit for "
+    "the others to finish", flag_values=_STARTUP)
 flags.FLAGS.append_flag_values(_STARTUP)
 for _name in list(_STARTUP):                 # listed by --help with the other flags
     flags.FLAGS.register_flag_by_module(sys.argv[0], _STARTUP[_name])
@@ -106,7 +109,8 @@ def _parse_flags(argv):
         distributed.initialize(distributed.Settings(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             initialization_timeout=_INIT_TIMEOUT.value,
-            heartbeat_timeout=_HEARTBEAT_TIMEOUT.value))
+            heartbeat_timeout=_HEARTBEAT_TIMEOUT.value,
+            shutdown_timeout=_SHUTDOWN_TIMEOUT.value))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if _config_arg(rest[1:]) is None:

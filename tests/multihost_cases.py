@@ -16,6 +16,7 @@ and parameters of that many `train_step`s (Adam). Keys of a case:
 """
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
@@ -121,7 +122,14 @@ def to_json(tree):
 def main(argv):
     sys.path.insert(0, str(ROOT))            # this checkout's jaxhybrid
     from jaxhybrid import distributed
-    distributed.initialize()
+    if os.environ.get("CASES_JAX_INITIALIZE"):   # jax's own start-up, without our checks
+        import jax
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"],
+                                   int(os.environ["JAX_NUM_PROCESSES"]),
+                                   int(os.environ["JAX_PROCESS_ID"]))
+    else:
+        distributed.initialize()
     import jax
     results = {}
     for case in json.loads(argv[2]):

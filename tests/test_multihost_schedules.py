@@ -177,7 +177,9 @@ def test_processes_that_measure_differently_cut_the_same_stages(runs):
 def test_processes_with_different_device_counts_fail_with_one_line(tmp_path):
     """2 + 6 devices: jax's multi-process transfers (device_put of the packed variables,
     process_allgather) assume as many devices on every process and failed with "cannot
-    reshape array of size 8 into shape (2,6)"."""
+    reshape array of size 8 into shape (2,6)". Started by jax.distributed.initialize
+    itself (distributed.initialize refuses it earlier: tests/test_multihost_startup.py),
+    the Pipeline refuses it."""
     out = tmp_path / "uneven.json"
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -188,7 +190,8 @@ def test_processes_with_different_device_counts_fail_with_one_line(tmp_path):
     case = [{"name": "uneven", "mesh": [1, 8, 1], "schedule": "1f1b", "num_mix": 6}]
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), json.dumps(case)],
-                              env=launch_local.process_env(os.environ, i, 2, n, port),
+                              env={**launch_local.process_env(os.environ, i, 2, n, port),
+                                   "CASES_JAX_INITIALIZE": "1"},
                               stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for i, (n, log) in enumerate(zip((2, 6), logs))]
     hung = False
