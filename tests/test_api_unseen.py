@@ -829,3 +829,17 @@ def test_a_per_parameter_optimizer_state_resumes_on_another_layout(tmp_path, con
         loss, _, got, _ = other.train_step(mse, tx)(state["variables"], state["opt_state"], x, t)
         _close(loss, want_loss)
         _close(other.unpack(got), saver.unpack(want))
+
+
+def test_init_with_an_int_seed_is_refused_before_any_work():
+    import flax.linen as nn
+    import numpy as np
+    import pytest
+
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    pipe = jp.Pipeline([nn.Dense(4) for _ in range(4)], mesh=jh.make_mesh(data=1, pipe=4),
+                       num_microbatches=2)
+    with pytest.raises(ValueError, match=r"Pipeline.init: rng must be a PRNG key, got 0; for "
+                                         r"a seed pass jax.random.key\(seed\)"):
+        pipe.init(0, np.zeros((4, 4), np.float32))

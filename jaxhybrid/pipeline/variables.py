@@ -26,6 +26,13 @@ class PipelineVariables:
         """Initialises every layer (in order, on the first example of `sample_inputs`) and
         returns packed variables {collection: {buffer key: [S, length]}} sharded over "pipe"
         (buffer keys: see `jaxhybrid.pipeline.packing`)."""
+        dtype = getattr(rng, "dtype", None)
+        if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                                 or dtype == np.uint32):
+            # An int seed failed inside jax ("invalid PRNG key data"), after the planner
+            # had profiled every layer.
+            raise ValueError(f"Pipeline.init: rng must be a PRNG key, got {rng!r:.60}; for a "
+                             f"seed pass jax.random.key(seed).")
         with outside_context_mesh():
             return self._init(rng, sample_inputs)
 
