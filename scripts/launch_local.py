@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     if not args.stop_grace_s >= 0:
         parser.error(f"--stop_grace_s={args.stop_grace_s} must be >= 0 seconds")
     script_args = argv[split + 1:]
-    if per_process_flags(script_args):
-        parser.error(f"{', '.join(per_process_flags(script_args))} after `--` would give every "
+    if repeated := per_process_flags(script_args):
+        parser.error(f"{', '.join(repeated)} after `--` would give every "
                      f"process the same value; remove it (the launcher sets each process's "
                      f"id, the count and the address; --port picks the port)")
     if args.port and distributed.port_in_use(args.port):
