@@ -218,6 +218,37 @@ def test_apply_equals_model_apply_on_unpacked_variables():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class LogicalMLP(nn.Module):
+    """Parameters boxed with logical axis names, as MaxText-style models declare them."""
+
+    @nn.compact
+    def __call__(self, x):
+        lp = nn.with_logical_partitioning
+        for width in (8, 6, 3):
+            x = jnp.tanh(nn.Dense(width, kernel_init=lp(nn.initializers.lecun_normal(),
+                                                         ("embed", "mlp")))(x))
+        return x
+
+
+def test_boxed_variables_pack_and_unpack_as_plain_arrays():
+    """docs/splitter.md: `pack` takes model.init's boxed tree, `unpack` gives the tree
+    nn.meta.unbox makes of it, and model.apply of it is the pipeline's apply."""
+    model, (x, _) = LogicalMLP(), _vectors(8)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       sample_inputs=x[:2], boundaries=[1])
+    pipe.init(RNG, x)
+    boxed = model.init(jax.random.key(3), x)
+    assert any(isinstance(b, nn.LogicallyPartitioned) for b in jax.tree.leaves(
+        boxed, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned)))
+    variables = pipe.pack(boxed)
+    native = pipe.unpack(variables)
+    assert jax.tree.structure(native) == jax.tree.structure(nn.meta.unbox(boxed))
+    for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(boxed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(pipe.apply(variables, x)),
+                               np.asarray(model.apply(native, x)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("options", [dict(schedule="1f1b", remat="full"),
                                      dict(schedule="interleaved", virtual_stages=2)])
 def test_remat_and_virtual_stages_on_a_split_model(options):
@@ -634,6 +665,12 @@ def test_errors():
         pipe.value_and_grad(xent)(variables, ids, labels)
     with pytest.raises(ValueError, match=r"loss_fn\(outputs, targets\) cannot take"):
         pipe.value_and_grad(lambda y, t: y["logits"].sum())(variables, ids, labels, RNG)
+    # A fault in the targets (float labels as indices) shows the targets too: it was
+    # blamed on the outputs alone.
+    with pytest.raises(ValueError, match=r"cannot take the model's outputs .* with a "
+                                         r"microbatch's targets float32\[2, 6\]"):
+        pipe.value_and_grad(lambda y, t: xent(y["logits"], t))(
+            variables, ids, labels.astype(np.float32), RNG)
     with pytest.raises(ValueError, match="variable structure"):
         pipe.pack({"params": native["params"]["Embed_0"]})
     with pytest.raises(ValueError, match="call pipe.init"):

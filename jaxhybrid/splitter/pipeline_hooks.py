@@ -202,11 +202,13 @@ class ModelSplitter:
         except LossError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure means the same fix
-            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
+            # Both trees: a fault in the targets (a dtype, a shape) was blamed on the outputs.
+            shapes = lambda tree: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)
             raise ValueError(f"Pipeline: loss_fn(outputs, targets) cannot take the model's "
-                             f"outputs {shapes} ({type(e).__name__}: "
+                             f"outputs {shapes(out)} with a microbatch's targets "
+                             f"{shapes(mb(targets))} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
-                             f"them.") from e
+                             f"them, or pass targets it can take.") from e
         self._checked.add(key)
 
 
