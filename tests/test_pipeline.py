@@ -227,6 +227,11 @@ def test_errors():
         jp.Pipeline(LAYERS, mesh=mesh, remat="sometimes")
     with pytest.raises(ValueError, match="call pipe.init"):
         jp.Pipeline(LAYERS, mesh=mesh).pack(_initial_vars())   # planner has not run yet
+    # ... and apply before init names init only: it offered pack, which is refused then.
+    with pytest.raises(ValueError, match=r"call pipe.init\(rng, sample_inputs\) first\.$"):
+        jp.Pipeline(LAYERS, mesh=mesh).apply({}, mm.make_batch(8)[0])
+    with pytest.raises(ValueError, match=r"or pipe.pack\(per_layer\) first"):
+        jp.Pipeline(LAYERS, mesh=mesh, boundaries=[2, 4, 6]).apply({}, mm.make_batch(8)[0])
     with pytest.raises(ValueError, match="memory_budget needs remat='auto'"):
         jp.Pipeline(LAYERS, mesh=mesh, remat="full", memory_budget="1GB")
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=3, boundaries=[2, 4, 6])

@@ -210,8 +210,10 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         return list(self._layer_vars)
 
     def _require_vars(self):
-        if self._layer_vars is None:
-            raise ValueError("Pipeline: call pipe.init(rng, sample_inputs) or pipe.pack(per_layer) first.")
+        if self._layer_vars is None:   # pack needs stages: before the planner's, init only
+            raise ValueError("Pipeline: call pipe.init(rng, sample_inputs) first." if self._needs_plan
+                             else "Pipeline: call pipe.init(rng, sample_inputs) or "
+                                  "pipe.pack(per_layer) first.")
 
     def _stage(self, k: int) -> runtime.Stage:
         """Stage k as the runtime sees it (its state as {collection: per-layer trees})."""
