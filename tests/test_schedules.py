@@ -32,6 +32,18 @@ def test_every_builder_makes_a_valid_complete_table(name, S, M):
     u = s.with_updates()
     per_device = sc.asynchronous.updates_per_call(s)
     assert sum(t.kind == TaskType.U for t in u.tasks) == S * per_device
+    # The options it records (defaults too) rebuild it: the table is told by them.
+    assert make_schedule(name, S, M, **dict(s.options)) == s
+
+
+def test_options_name_the_defaults_a_table_was_built_with():
+    """A 2bw reference written for window 1 mismatched: the default window (from S and
+    M) was nowhere on the table."""
+    assert dict(make_schedule("2bw", 4, 8).options) == {"window": 8}
+    assert dict(make_schedule("2bw", 4, 8).options)["window"] == sc.asynchronous.two_bw_window(4, 8)
+    assert dict(make_schedule("interleaved", 4, 8).options) == {"virtual_stages": 2}
+    assert dict(make_schedule("spectrain", 4, 8).options)["version"] == 2
+    assert make_schedule("interleaved", 4, 8) == make_schedule("interleaved", 4, 8, virtual_stages=2)
 
 
 def test_bubble_figures_at_8_stages_32_microbatches():

@@ -119,7 +119,7 @@ def two_bw(num_stages: int, num_microbatches: int, window: int | None = None) ->
         raise ValueError(f"2bw: window={window!r} must be an int >= 1.")
     sched = _async_table("2bw", num_stages, num_microbatches, "two-buffer", int(window))
     _two_buffer_versions(sched)   # raises when two buffers do not suffice
-    return sched
+    return dataclasses.replace(sched, options=(("window", int(window)),))
 
 
 @register_schedule("spectrain")

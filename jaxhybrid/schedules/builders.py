@@ -161,7 +161,16 @@ def _cached(name: str, num_stages: int, num_microbatches: int, options: tuple) -
         raise ValueError(f"schedule builder {name!r} returned {what} for {num_stages} x "
                          f"{num_microbatches}; it must return a Schedule of that size.")
     sched.validate()
-    return dataclasses.replace(sched, options=options)
+    return dataclasses.replace(sched, options=_resolved_options(SCHEDULES[name], sched, options))
+
+
+def _resolved_options(builder: Callable, sched: Schedule, passed: tuple) -> tuple:
+    """Every option the table was built with: the builder's defaults, those it resolved
+    itself (2bw's window, from S and M) and the passed ones. With only the passed ones a
+    default's table was not told from another (a 2bw reference written for window 1)."""
+    defaults = {p.name: p.default for p in list(inspect.signature(builder).parameters.values())[2:]
+                if p.default is not inspect.Parameter.empty and p.default is not None}
+    return tuple(sorted({**defaults, **dict(sched.options), **dict(passed)}.items()))
 
 
 def make_schedule(name: str | Schedule, num_stages: int, num_microbatches: int,
