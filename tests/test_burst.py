@@ -334,6 +334,13 @@ def test_multiplexed_jobs_equal_each_alone():
     # And the background alone (same devices) gives the same result.
     s_loss, s_new = multiplex.background_step(mux, bts, bx, by, k2)
     assert _max_err(s_loss, bg_loss) < 1e-6 and _max_err(s_new, bg_new) < 1e-6
+    # The states the steps return run the next steps without compiling them again (the
+    # widths in a TrainState's structure were part of the jit's key: call 2 compiled).
+    sizes = (multiplex._multiplexed_step._cache_size(), burst.executor._train_step._cache_size())
+    multiplex.multiplexed_step(mux, fg_new, bg_new, x, y, bx, by, k1, k2)
+    burst.train_step(prog, opt, a_new, x, y, k1)
+    assert (multiplex._multiplexed_step._cache_size(),
+            burst.executor._train_step._cache_size()) == sizes
 
 
 # --- the projection script ------------------------------------------------------------------

@@ -419,7 +419,8 @@ def current_for(program: BurstProgram, train_state):
     (a new `plan_burst`) gave a wider layer stale parameters, optimizer state and batch
     statistics, and wrong gradients, silently; when a layer widens, or the widths are
     unknown (a restored checkpoint, a dict copy), device 0's copy (it runs every layer:
-    the model) goes to every device first."""
+    the model) goes to every device first. Jitted steps take it as a plain dict: the
+    widths in its structure made the second step compile again."""
     widths = getattr(train_state, "widths", None)
     if (any(g > 1 for g in program.widths) if widths is None
             else any(g > w for g, w in zip(program.widths, widths))):
@@ -445,8 +446,8 @@ def train_step(program: BurstProgram, optimizer, train_state, inputs, targets, r
     checked_optimizer(optimizer, "burst.train_step")
     check_opt_state(optimizer, train_state, "burst.train_step")
     inputs, targets, rng = on_every_process(program, "train_step", inputs, targets, rng)
-    loss, new = _train_step(program, optimizer, current_for(program, train_state), inputs,
-                            targets, rng)
+    loss, new = _train_step(program, optimizer, dict(current_for(program, train_state)),
+                            inputs, targets, rng)
     return loss, TrainState(new, program.widths)
 
 
