@@ -16,7 +16,9 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
     model > 1 a third axis "model" (tensor parallelism, innermost: a model group is
     `model` consecutive devices of the list).
 
-    One of `data` / `pipe` may be -1: it takes the devices that are left. Device order
+    One of `data` / `pipe` may be -1: it takes the devices that are left. Explicit sizes
+    whose product is below the device count take the first data x pipe (x model)
+    devices of the list; the rest stay idle (`scripts/train.py` warns). Device order
     along "pipe" is the order of `devices` (e.g. from a plan's device mapping), so
     consecutive stages sit on consecutive devices of the list. Axes are `Auto` so flax
     logical sharding constraints work inside the model.
@@ -25,6 +27,16 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
     if not isinstance(model, (int, np.integer)) or model < 1:
         raise ValueError(f"make_mesh: model={model!r} must be a positive int.")
     if model > 1:
+        if -1 not in (data, pipe) and all(isinstance(v, (int, np.integer)) and v >= 1
+                                          for v in (data, pipe)):
+            # The devices the mesh uses: model=3 on 6 of 8 devices was refused for not
+            # dividing 8, where data and pipe without a model axis take a prefix.
+            if data * pipe * model > len(devices):
+                raise ValueError(
+                    f"make_mesh: data={data} x pipe={pipe} x model={model} = "
+                    f"{data * pipe * model} devices, but only {len(devices)} are available; "
+                    f"use sizes whose product is at most {len(devices)} (or pass devices=...).")
+            devices = devices[: data * pipe * model]
         if len(devices) % model:
             raise ValueError(f"make_mesh: model={model} does not divide the {len(devices)} "
                              f"devices; choose model from the divisors of {len(devices)}.")

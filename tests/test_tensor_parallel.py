@@ -156,6 +156,13 @@ def test_make_mesh_model_axis_and_bad_degrees():
     assert [d.id for d in mesh.devices[1, 0]] == [4, 5]   # a model group: neighbours
     with pytest.raises(ValueError, match="model=3 does not divide the 8 devices"):
         jh.make_mesh(data=-1, pipe=1, model=3)
+    # Explicit sizes take the devices they need, with a model axis too (model=3 on 6 of
+    # 8 devices was refused for not dividing 8, as data and pipe alone are not).
+    mesh = jh.make_mesh(data=1, pipe=2, model=3)
+    assert dict(mesh.shape) == {"data": 1, "pipe": 2, "model": 3}
+    assert sorted(d.id for d in mesh.devices.ravel()) == list(range(6))
+    with pytest.raises(ValueError, match=r"data=2 x pipe=2 x model=3 = 12 devices, but only 8"):
+        jh.make_mesh(data=2, pipe=2, model=3)
     two_heads = models.get_model("gpt", "tiny")   # 2 heads cannot split 4 ways
     pipe = jp.Pipeline(two_heads.layers, mesh=jh.make_mesh(data=2, pipe=1, model=4),
                        boundaries=[], remat="none")

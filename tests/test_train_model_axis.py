@@ -116,7 +116,8 @@ def test_checkpoints_move_between_model_degrees(runs, tmp_path):
 
 
 @pytest.mark.parametrize("model,message", [
-    (3, r"mesh .*model=3 does not divide the 8 devices"),
+    (3, r"mesh.model=3: tensor parallel: num_heads=2 is not divisible by the model degree 3"),
+    (5, r"mesh .*data=2 x pipe=1 x model=5 = 10 devices, but only 8"),
     (4, r"mesh.model=4: tensor parallel: num_heads=2 is not divisible by the model degree 4"),
 ])
 def test_a_model_degree_that_does_not_fit_fails_in_one_line(tmp_path, model, message):
