@@ -257,8 +257,8 @@ def multiplexed_step(mux: MuxProgram, fg_state, bg_state, fg_inputs, fg_targets,
     bg_rng = distributed.place_key_everywhere(bg_rng, mux.fg.mesh,
                                               "burst.multiplexed_step: bg_rng")
     loss, fg, bg_losses, bg = _multiplexed_step(
-        mux, dict(current_for(mux.fg, fg_state)), dict(bg_state), fg_inputs, fg_targets, bg_inputs,
-        bg_targets, fg_rng, bg_rng)
+        mux, dict(current_for(mux.fg, fg_state)), dict(bg_state), fg_inputs, fg_targets,
+        bg_inputs, bg_targets, fg_rng, bg_rng)   # plain dicts: one compile (executor.current_for)
     return loss, TrainState(fg, mux.fg.widths), bg_losses, bg
 
 

@@ -188,8 +188,7 @@ class ModelSplitter:
         # The dtype jax will see, read without moving the array (jnp.asarray copied every
         # numpy batch to the device at each call, for its dtype only).
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-            (np.shape(a)[0] // n, *np.shape(a)[1:]),
-            _jax_dtype(a)), tree)
+            (np.shape(a)[0] // n, *np.shape(a)[1:]), _jax_dtype(a)), tree)
         key = (loss_fn, str(mb(inputs)), str(mb(targets)))
         if key in self._checked:
             return
