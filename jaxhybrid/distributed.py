@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import socket
+import time
 
 import numpy as np
 
@@ -218,6 +219,9 @@ def say_when_exit_waits(shutdown_timeout: int, after_s: float = 10.0) -> None:
     atexit.register(arm)
 
 
+COORDINATOR_EXIT_GRACE_S = 2.0   # process 0 waits this long before an error's exit
+
+
 def exit_on_uncaught_error(_exit=os._exit) -> None:
     """After an uncaught exception's traceback, the process exits (status 1) at once.
     Left to Python, the interpreter's exit ran jax.distributed's shutdown barrier, which
@@ -234,6 +238,11 @@ def exit_on_uncaught_error(_exit=os._exit) -> None:
               f"stop when their launcher does or after --heartbeat_timeout",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if jax.process_index() == 0 and jax.process_count() > 1:
+            # Process 0 hosts the coordination service: its exit aborts the others from
+            # C++. A check that fails on every process at once (other device counts)
+            # let some of them abort before printing their own line (CI: SIGABRT).
+            time.sleep(COORDINATOR_EXIT_GRACE_S)
         _exit(1)
 
     sys.excepthook = hook
@@ -388,7 +397,6 @@ def stop_on_signals(grace_s: float = 60.0, _exit=os._exit) -> None:
     import signal
     import sys
     import threading
-    import time
 
     import jax
     several = jax.process_count() > 1
