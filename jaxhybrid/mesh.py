@@ -26,9 +26,13 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
     devices = list(jax.devices() if devices is None else devices)
     if not isinstance(model, (int, np.integer)) or model < 1:
         raise ValueError(f"make_mesh: model={model!r} must be a positive int.")
+    if data == -1 and pipe == -1:
+        raise ValueError("make_mesh: at most one of data/pipe may be -1; set the other explicitly.")
+    for name, size in ((DATA, data), (PIPE, pipe)):
+        if size != -1 and (not isinstance(size, (int, np.integer)) or size < 1):
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int or -1.")
     if model > 1:
-        if -1 not in (data, pipe) and all(isinstance(v, (int, np.integer)) and v >= 1
-                                          for v in (data, pipe)):
+        if -1 not in (data, pipe):
             # The devices the mesh uses: model=3 on 6 of 8 devices was refused for not
             # dividing 8, where data and pipe without a model axis take a prefix.
             if data * pipe * model > len(devices):
@@ -49,11 +53,6 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
                          for row in groups.devices], dtype=object)
         return Mesh(grid, (DATA, PIPE, MODEL), axis_types=(AxisType.Auto,) * 3)
     n = len(devices)
-    if data == -1 and pipe == -1:
-        raise ValueError("make_mesh: at most one of data/pipe may be -1; set the other explicitly.")
-    for name, size in ((DATA, data), (PIPE, pipe)):
-        if size != -1 and (not isinstance(size, (int, np.integer)) or size < 1):
-            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int or -1.")
     if data == -1:
         if n % pipe:
             raise ValueError(f"make_mesh: pipe={pipe} does not divide the {n} devices; "

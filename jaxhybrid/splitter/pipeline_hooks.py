@@ -87,7 +87,7 @@ class ModelSplitter:
     def costs(self, sample):
         """Per-piece LayerCosts (XLA cost analysis of the lowered pieces), cached."""
         from jaxhybrid.splitter.costs import piece_costs
-        key = str(jax.tree.map(lambda a: (np.shape(a), _jax_dtype(a)), sample))
+        key = str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), sample))
         if key not in self._costs:
             self._costs[key] = piece_costs(self.split, sample)
         return self._costs[key]
@@ -188,7 +188,7 @@ class ModelSplitter:
         # The dtype jax will see, read without moving the array (jnp.asarray copied every
         # numpy batch to the device at each call, for its dtype only).
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-            (np.shape(a)[0] // n, *np.shape(a)[1:]), _jax_dtype(a)), tree)
+            (np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a)), tree)
         key = (loss_fn, str(mb(inputs)), str(mb(targets)))
         if key in self._checked:
             return
@@ -212,11 +212,6 @@ class ModelSplitter:
                              f"{str(e).splitlines()[0] if str(e) else ''}); make loss_fn accept "
                              f"them, or pass targets it can take.") from e
         self._checked.add(key)
-
-
-def _jax_dtype(a) -> np.dtype:
-    """The dtype jax gives `a` (float64 -> float32 without x64), read without copying it."""
-    return jax.dtypes.canonicalize_dtype(a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
 
 
 # --- keeping copies of a variable identical in packed buffers ------------------------
