@@ -315,6 +315,11 @@ def test_a_scan_over_the_leading_axis_warns_of_time_major_inputs():
         warnings.simplefilter("error")
         jp.Pipeline(Recurrent(False), mesh=mesh, num_microbatches=2).init(
             jax.random.key(1), jnp.ones((16, 5, D)))       # [B=16, T=5]
+        # Batch-major with T as long as a microbatch (8 rows): the swapaxes inside moved
+        # the examples' axis; the warning said "the gradients are wrong" where they were
+        # exact.
+        jp.Pipeline(Recurrent(False), mesh=mesh, num_microbatches=2).init(
+            jax.random.key(1), jnp.ones((16, 8, D)))       # [B=16, T=8]
 
 
 class _DropLayer(nn.Module):

@@ -122,8 +122,10 @@ def test_impossible_budget_says_by_how_much():
     costs = [layer(i, saved=1000, inp=100) for i in range(4)]
     sched = make_schedule("1f1b", 2, 4)
     budget = device_memory(costs, [2], sched, [True] * 4) - 123
-    with pytest.raises(MemoryBudgetError, match=r"\(123 bytes\) over .* more pipeline stages, "
-                                                 r"more microbatches with a smaller microbatch, or a bigger budget"):
+    with pytest.raises(MemoryBudgetError, match=r"every layer recomputed, .*\(123 bytes\) over .* "
+                                                 r"more pipeline stages, more microbatches with a "
+                                                 r"smaller microbatch, a bigger budget, or "
+                                                 r"remat=\"full\" \(each stage recomputed"):
         choose_remat_spmd(costs, [2], sched, budget)
     assert issubclass(MemoryBudgetError, ValueError)
 
@@ -184,5 +186,6 @@ def test_a_split_backwards_recompute_prices_the_weight_gradients_it_hands_w():
     none, full = (device_memory(costs, [3], sched, r) for r in ([False] * 6, [True] * 6))
     assert full > none
     assert choose_remat_spmd(costs, [3], sched, none) == [False] * 6
-    with pytest.raises(MemoryBudgetError, match=r"without recompute, the least of the choices"):
+    with pytest.raises(MemoryBudgetError,
+                       match=r"without recompute, the least of the per-layer choices"):
         choose_remat_spmd(costs, [3], sched, none - 1)

@@ -2,6 +2,7 @@
 persistent compilation cache switch, the start-up phase clock, the host-built
 weight-decay mask, the layers initialised in one program while planning, and the
 script's CPU compile flags."""
+import functools
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -236,22 +238,111 @@ def _assert_trees_equal(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _one_by_one(layers, rng, x):
+    from jaxhybrid.layers import init_layer
+    want, h = [], x[:1]
+    with jax.threefry_partitionable(False):
+        for i, layer in enumerate(layers):
+            v, h = jax.jit(lambda k, a, l=layer: init_layer(l, k, a, train=False))(
+                jax.random.fold_in(rng, i), h)
+            want.append(v)
+    return want
+
+
 def test_layers_initialised_in_one_program_equal_one_by_one_init():
     """`init_layers` (one program, forwards dropped) gives bit for bit what initialising
     each layer on the previous one's output with key fold_in(rng, i) gives, and
     `init` packs exactly that."""
-    from jaxhybrid.layers import init_layer
     mesh = jh.make_mesh(data=2, pipe=2)
     pipe = jp.Pipeline(BLOCKS, mesh=mesh, num_microbatches=2, boundaries=[2])
     rng, x = jax.random.key(3), np.linspace(-1, 1, 8 * 16, dtype=np.float32).reshape(8, 16)
-    want, h = [], x[:1]
-    with jax.threefry_partitionable(False):
-        for i, layer in enumerate(BLOCKS):
-            v, h = jax.jit(lambda k, a, l=layer: init_layer(l, k, a, train=False))(
-                jax.random.fold_in(rng, i), h)
-            want.append(v)
+    want = _one_by_one(BLOCKS, rng, x)
     _assert_trees_equal(pipe.init_layers(rng, x), want)
     _assert_trees_equal(pipe.unpack(pipe.init(rng, x)), want)
+
+
+def test_runs_of_equal_layers_are_initialised_by_one_scan():
+    """A run of equal, shape-keeping layers is initialised by a `lax.scan` (its program
+    does not grow with the run's length) and gives bit for bit the one-by-one values; a
+    shape-changing first member (16 -> 12) and a short run stay unrolled."""
+    from jaxhybrid.pipeline import variables
+
+    def program(depth):
+        layers = [Block(16), Block(12)] + [Block(12)] * depth + [Dense(8), Dense(8)]
+        return layers, jax.make_jaxpr(functools.partial(variables._init_in_order, layers))(
+            jax.random.key(0), np.ones((1, 16), np.float32))
+    layers, short = program(5)
+    _, deep = program(10)
+    # Only taking each layer's variables out of the stacked ones grows with depth.
+    work = lambda jaxpr: [e.primitive.name for e in jaxpr.eqns  # noqa: E731
+                          if e.primitive.name not in ("slice", "squeeze", "dynamic_slice")]
+    assert "scan" in work(short)
+    assert work(deep) == work(short)
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[3])
+    rng, x = jax.random.key(4), np.linspace(-1, 1, 4 * 16, dtype=np.float32).reshape(4, 16)
+    _assert_trees_equal(pipe.init_layers(rng, x), _one_by_one(layers, rng, x))
+
+
+class WeightNormed(nn.Module):
+    """Data-dependent initialisation (weight norm): g and b from the first batch. On one
+    example the variance is 0 and v * g + b cancels, so a scanned run's forward rounds
+    differently from the unrolled one and every later b differs."""
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        v = nn.Dense(self.features)(x)
+        g = self.param("g", lambda k: jax.lax.rsqrt(jnp.var(v, 0) + 1e-3))
+        b = self.param("b", lambda k: -jnp.mean(v, 0) * g)
+        return x + jnp.tanh(v * g + b)
+
+
+class Filled(nn.Module):
+    """A parameter filled with `value`: an int value makes int parameters."""
+    features: int
+    value: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        g = self.param("g", lambda k: jnp.full((self.features,), self.value))
+        return jnp.tanh(nn.Dense(self.features)(x)) * g.astype(x.dtype)
+
+
+class NumpyDrawn(nn.Module):
+    """Weights drawn from numpy's global generator when traced, not from the key."""
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", lambda k, s: jnp.asarray(np.random.standard_normal(s), jnp.float32),
+                       (self.features, self.features))
+        return jnp.tanh(x @ w)
+
+
+@pytest.mark.parametrize("layers,runs", [
+    ([WeightNormed(16)] * 6, {}),                            # reads its input's values
+    ([Block(16)] * 5 + [WeightNormed(16)], {}),              # ... after the run
+    ([Filled(16, 1)] + [Filled(16, 1.0)] * 5, {1: 6}),       # equal by ==, not by field types
+], ids=["data-dependent", "data-dependent-after", "int-vs-float-field"])
+def test_runs_that_a_scan_would_change_are_unrolled(layers, runs):
+    from jaxhybrid.pipeline import variables
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[3])
+    rng = jax.random.key(7)
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    assert variables._scanned_runs(layers, rng, x[:1]) == runs
+    _assert_trees_equal(pipe.init_layers(rng, x), _one_by_one(layers, rng, x))
+
+
+def test_layers_drawing_numpy_numbers_when_traced_are_not_scanned():
+    """A scan traces a run once: six layers would get one numpy draw between them."""
+    layers = [NumpyDrawn(16)] * 6
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[3])
+    w = [v["params"]["w"] for v in pipe.init_layers(jax.random.key(7), np.ones((4, 16),
+                                                                                np.float32))]
+    assert not any(np.array_equal(w[0], b) for b in w[1:])
 
 
 def test_train_initialises_the_layers_while_planning():

@@ -63,15 +63,21 @@ def _warn_if_scanning_the_batch_axis(t, x_abs) -> None:
     the examples, which is fine. Only scanned values computed from the inputs count:
     not stacked parameters, keys or RNG counts (a layer scan, `nnx.scan` over `nnx.vmap`'d
     layers, `nn.scan` splitting dropout keys: the warning fired on those where the layers
-    were as many as a microbatch's rows). A warning, since the two cannot be told apart
-    from the program."""
+    were as many as a microbatch's rows), nor values whose leading axis a transpose moved
+    away (a batch-major model scanning its time axis, as long as a microbatch by chance).
+    A warning, since a time-major model and `lax.map` cannot be told apart from the
+    program."""
     leaves = jax.tree.leaves(x_abs)
     rows = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
     if rows < 2:
         return
     from_inputs = set(t.x_ids)
     for op in t.prog.ops:
-        if any(i in from_inputs for i in op.ins):
+        # A transpose that moves the leading axis away (a batch-major RNN's swapaxes to
+        # [T, B, ...]) ends the chain: what it scans over is not the examples' axis.
+        moves_rows = (op.eqn.primitive.name == "transpose"
+                      and tuple(op.eqn.params["permutation"])[:1] != (0,))
+        if any(i in from_inputs for i in op.ins) and not moves_rows:
             from_inputs.update(op.outs)
         if op.eqn.primitive.name != "scan" or int(op.eqn.params["length"]) != rows:
             continue
