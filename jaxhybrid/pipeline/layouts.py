@@ -113,7 +113,7 @@ def stage_forward(stage: Stage, k: int, last: bool, params, state, x, tgt, rng, 
         y, new_state = stage.apply(p, state, merge_float(xdef, xmask, xf, xi), train=train,
                                    rng=rng, microbatch=gmb)
         if output_shape is not None:
-            output_shape.append(jax.tree.map(_abstract, y))
+            output_shape.append(jax.tree.map(abstract_value, y))
         if last:
             return microbatch_loss(loss_fn, y, tgt, global_microbatches), (new_state, [])
         yf, yi, _ = split_float(y)
@@ -134,7 +134,7 @@ def backward_fn(residuals: Residuals, k: int, last: bool):
     return bwd
 
 
-def _abstract(a) -> jax.ShapeDtypeStruct:
+def abstract_value(a) -> jax.ShapeDtypeStruct:
     """What `jax.eval_shape` gives for a traced value."""
     aval = jax.typeof(a)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jaxhybrid import tensor_parallel
 from jaxhybrid.layers import init_layer
 from jaxhybrid.pipeline import degree_check, model_shards, packing
+from jaxhybrid.pipeline.layouts import abstract_value
 from jaxhybrid.pipeline.arguments import outside_context_mesh, same_pipeline_everywhere
 
 PyTree = Any
@@ -300,7 +301,7 @@ def _scanned_runs(layers, rng, x) -> dict:
             ends[i] = ends[i + 1]
     if all(e - i < MIN_SCANNED_RUN for i, e in enumerate(ends)):
         return {}                       # nothing to scan: no extra tracing
-    runs, reads, i, x = {}, [], 0, _abstract_of(x)
+    runs, reads, i, x = {}, [], 0, jax.tree.map(abstract_value, x)
     while i < n:
         traced, y, reads_x = _trace_init(layers[i], rng, x)
         end = i + 1
@@ -319,7 +320,7 @@ def _trace_init(layer, rng, x) -> tuple:
     abstract value, whether its variables depend on the input's values)."""
     from jax.extend import core as jcore
     closed, (y, _) = jax.make_jaxpr(lambda r, a, i: _init_one(layer, r, a, i),
-                                    return_shape=True)(_abstract_of(rng), x, jnp.int32(0))
+                                    return_shape=True)(abstract_value(rng), x, jnp.int32(0))
     consts = tuple(_const_value(c) for c in closed.consts)
     jaxpr = closed.jaxpr
     n_rng, n_x = len(jax.tree.leaves(rng)), len(jax.tree.leaves(x))
@@ -341,18 +342,11 @@ def _const_value(c):
         return c
 
 
-def _abstract_of(tree):
-    def leaf(a):
-        t = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
-        weak = bool(getattr(t, "weak_type", False))
-        return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=weak)
-    return jax.tree.map(leaf, tree)
-
-
 def _carry_type(tree):
-    """What a scan's carry must keep: structure, shapes, dtypes and weak types."""
+    """What a scan's carry must keep, of an abstract tree: structure, shapes, dtypes and
+    weak types."""
     return jax.tree.structure(tree), [(tuple(a.shape), a.dtype, a.weak_type)
-                                      for a in jax.tree.leaves(_abstract_of(tree))]
+                                      for a in jax.tree.leaves(tree)]
 
 
 def _same(a, b) -> bool:
