@@ -38,18 +38,26 @@ def steps_until_stopped(first: int, last: int):
                 raise KeyboardInterrupt(distributed.stop_requested())
 
 
-def check_finite(m: dict, step: int, t, last_saved, ckpt) -> None:
+def check_finite(m: dict, step: int, t, last_saved, ckpt, from_init: bool = False) -> None:
     """Stops a diverged run before it is checkpointed. The updated parameters count too:
     a finite loss with an overflowing update would otherwise be saved before the next
-    step's loss shows it."""
+    step's loss shows it. `from_init`: this step's gradients are the initial parameters'
+    (a fresh run's first step: no update, so no learning rate, made them)."""
     if not all(map(math.isfinite, m.values())):
         # A NaN loss beside finite gradients is a value the loss read out of range (a
         # label past the model's classes: jax's gather fills NaN), not a divergence.
-        cause = ("the loss is not finite but the gradients are: check the targets (a label "
-                 "past the model's output size, an index out of range)"
-                 if not math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-                 else f"the run diverged; lower train.learning_rate (now {t.learning_rate}) "
-                      f"or set train.grad_clip_norm")
+        if not math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]):
+            cause = ("the loss is not finite but the gradients are: check the targets (a "
+                     "label past the model's output size, an index out of range)")
+        elif from_init and not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            # Blamed on the learning rate, which had not been used yet.
+            cause = ("the initial parameters already give them, before any update (not the "
+                     "learning rate): a numerics problem in the model or its loss (sqrt or "
+                     "log at 0, a division by zero, an overflow in a 16-bit dtype); find it "
+                     "on one device with jax.config.update('jax_debug_nans', True)")
+        else:
+            cause = (f"the run diverged; lower train.learning_rate (now {t.learning_rate}) "
+                     f"or set train.grad_clip_norm")
         raise TrainingDiverged(
             f"train: non-finite values at step {step} (loss={m['loss']}, grad_norm="
             f"{m['grad_norm']}, param_norm={m['param_norm']}): {cause}; "

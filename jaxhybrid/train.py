@@ -427,7 +427,7 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                 m = {k: float(v) for k, v in m.items()}
             if step == b.start + 1 and writer is not None:
                 logging.info(phases.summary())
-            stopping.check_finite(m, step, t, last_saved, b.ckpt)
+            stopping.check_finite(m, step, t, last_saved, b.ckpt, from_init=step == 1)
             state, done = new_state, step
             window.append(m["loss"])
             timed += 1

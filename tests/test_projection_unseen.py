@@ -244,3 +244,16 @@ def test_fit_weighs_points_by_their_relative_error():
     got = fit(pts)
     assert got.b_noise == pytest.approx(4096.0, rel=0.06)
     assert got.s_min == pytest.approx(1000.0, rel=0.02)
+
+
+def test_a_memory_only_whole_stages_meet_is_feasible_with_them():
+    # A chain (each layer's input is what it saves): recomputing layers one by one saves
+    # nothing; each stage recomputed whole keeps one input per stage.
+    costs = synth(16, params=1000, act=10_000_000)
+    kw = dict(data=1, pipe=2, num_microbatches=8, per_worker_batch=8, schedule="gpipe")
+    tight = hybrid.step_time(costs, hw(memory=1e6, memory_fraction=1.0), **kw)
+    need, whole = (float(x) * 1e9 for x in re.findall(r"([\d.]+) GB", tight.reason)[:2])
+    assert "with every stage recomputed whole" in tight.reason and whole < need / 2
+    est = hybrid.step_time(costs, hw(memory=whole * 1.01, memory_fraction=1.0), **kw)
+    assert est.feasible and est.stage_remat == [True, True]
+    assert max(est.stage_memory) <= whole * 1.01

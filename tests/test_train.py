@@ -356,6 +356,13 @@ def test_a_nan_loss_with_finite_gradients_names_the_targets():
     with pytest.raises(train.TrainingDiverged, match="diverged; lower train.learning_rate"):
         train.stopping.check_finite({"loss": float("nan"), "grad_norm": float("nan"),
                              "param_norm": 2.0}, 1, t, None, ckpt)
+    # A fresh run's first gradients come from the initial parameters: NaN there (sqrt at
+    # 0 in the model) was blamed on the learning rate, not used yet.
+    with pytest.raises(train.TrainingDiverged, match=r"initial parameters already give them, "
+                                                     r"before any update \(not the learning"):
+        train.stopping.check_finite({"loss": 2.39, "grad_norm": float("nan"),
+                                     "param_norm": float("nan")}, 1, t, None, ckpt,
+                                    from_init=True)
 
 
 def test_nan_guard_names_the_step_and_keeps_no_bad_checkpoint(tmp_path):

@@ -2,13 +2,14 @@
 
     python scripts/bench.py memory [--models=inception_v3,gnmt,biglstm,gpt] [--size=tiny]
                                    [--pipe=4] [--step=train|grad] [--config_schedule=zb-h1]
-                                   [--remat=none|layers]
+                                   [--remat=none|layers|full]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
 batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in
 place of the config's, if given), with the planner's boundaries and no recomputation
 (--remat=layers: every layer recomputed in its backward, each under its own
-`jax.checkpoint`, as the planner's recomputation choices run):
+`jax.checkpoint`, as the planner's recomputation choices run; --remat=full: the
+runtime's stage-level remat="full", each stage recomputed whole from its input):
 
   predicted  the planner's memory model of the engine (`plan.memory_model.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the
@@ -55,9 +56,10 @@ flags.DEFINE_string("size", "tiny", "model size (tiny | small | full), or 'confi
 flags.DEFINE_integer("pipe", 4, "pipeline stages S.")
 flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step with AdamW "
                   "(scripts/train.py); grad: the pipeline's value_and_grad step alone.")
-flags.DEFINE_enum("remat", "none", ["none", "layers"], "recomputation of the step compared: "
-                  "none, or layers (every layer's forward again in its backward, per layer as "
-                  "the planner's choices run).")
+flags.DEFINE_enum("remat", "none", ["none", "layers", "full"], "recomputation of the step "
+                  "compared: none, layers (every layer's forward again in its backward, per "
+                  "layer as the planner's choices run) or full (each stage recomputed whole "
+                  "from its input: Pipeline(remat='full')).")
 flags.DEFINE_string("config_schedule", "", "a registered schedule in place of each config's "
                     "pipeline.schedule (e.g. zb-h1, zbv); empty: the config's own.")
 
@@ -98,16 +100,18 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
                             **config.model.overrides.to_dict())
     mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
     M = config.pipeline.num_microbatches
-    every = [remat == "layers"] * len(spec.layers)
+    every = [remat != "none"] * len(spec.layers)
     pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M,
-                       schedule=config.pipeline.schedule, remat=every)
+                       schedule=config.pipeline.schedule,
+                       remat="full" if remat == "full" else every)
     x, y = spec.sample_batch(config.train.batch_size)
     t0 = time.perf_counter()
     pipe.make_plan(x)
     costs = profile_cached(pipe.layers, pipe._sample)
     factor = 4 if step == "train" else 2
     terms = memory_terms(costs, pipe.boundaries, pipe.schedule, every,
-                         param_state_factor=factor)
+                         param_state_factor=factor,
+                         whole_stage=[remat == "full"] * pipe.num_stages)
     plan_s = time.perf_counter() - t0
 
     # Compiling needs shapes only: zeros in place of initialised values.

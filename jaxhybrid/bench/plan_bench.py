@@ -279,7 +279,8 @@ def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
     x, y = spec.sample_batch(M * mb)
     L, sched = len(costs), make_schedule("1f1b", S, M)
     cuts = planner.partition(planner.layer_times(costs), S)
-    mem = lambda r: planner.spmd_memory(costs, cuts, sched, r, param_state_factor=PARAM_STATE)  # noqa: E731
+    mem = lambda r, whole=None: planner.spmd_memory(  # noqa: E731
+        costs, cuts, sched, r, param_state_factor=PARAM_STATE, whole_stage=whole)
     # Halfway between recomputing every layer and none: a budget the planner can meet
     # only by recomputing some layers.
     budget = (mem([True] * L)[1] + mem(None)[1]) / 2
@@ -308,7 +309,8 @@ def remat_rows(spec, costs, modes, S: int = 4) -> tuple[list[dict], float]:
         base_flops = flops if mode == "none" else base_flops
         slow = planner.layer_times(costs) + np.array([c.fwd_time if r else 0.0
                                                       for c, r in zip(costs, flags_)])
-        rows.append(dict(mode=mode, predicted=mem(flags_)[1], measured=peak, flops=flops,
+        whole = [True] * S if mode == "full" else None
+        rows.append(dict(mode=mode, predicted=mem(flags_, whole)[1], measured=peak, flops=flops,
                          predicted_recompute=M * sum(c.fwd_flops for c, r in zip(costs, flags_) if r),
                          layers=int(sum(flags_)), slowest=planner.stage_costs(slow, cuts).bottleneck))
     for r in rows:
@@ -338,8 +340,8 @@ def print_remat(rows, budget: float, size: str, microbatch: int, S: int = 4) -> 
               f"{fmt_bytes(r['measured']):>10} {fits:>14} "
               f"{r['predicted_recompute'] / 1e9:>16.3f} / {r.get('recompute', 0.0) / 1e9:<14.3f} "
               f"{1e3 * r['slowest']:>16.3f}")
-    print("(full = the pipeline recomputes each stage from its input; its prediction uses the "
-          "per-layer model with every layer recomputed.)")
+    print("(full = the pipeline recomputes each stage whole from its input, predicted so: "
+          "`spmd_memory(..., whole_stage=...)`.)")
 
 
 # --- planning speed -----------------------------------------------------------------

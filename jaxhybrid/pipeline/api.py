@@ -125,7 +125,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                                  f"{S}; make a plan for this model and mesh.")
             check_plan_matches(plan, self.schedule, self.num_microbatches, self.data,
                                memory_budget)
-            boundaries, remat = plan.boundaries, (list(plan.remat) if remat == "auto" else remat)
+            boundaries, remat = plan.boundaries, (plan.pipeline_remat if remat == "auto" else remat)
             self._plan = plan
         # Planner decisions wait for `init` (they need input shapes); until then an even
         # split stands in so the object is usable for pack/unpack of explicit layouts.
@@ -257,7 +257,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
             self._plan, self._needs_plan = plan, False
             if self.remat == "auto":
                 async_weights.check_planned_remat(self.schedule, plan, self.memory_budget)
-            self._set_layout(plan.boundaries, list(plan.remat) if self.remat == "auto" else self.remat)
+            self._set_layout(plan.boundaries, plan.pipeline_remat if self.remat == "auto" else self.remat)
 
     # --- execution ------------------------------------------------------------------
     def _microbatch(self, tree: PyTree, what: str) -> PyTree:

@@ -124,7 +124,7 @@ def check_plan_matches(plan, schedule, num_microbatches: int, data: int, memory_
             + "; this pipeline runs " + ", ".join(f"{k}={here[k]}" for k in differ)
             + ". Make a plan for this setup (make_plan(..., " + ", ".join(
                 f"{k}={here[k]!r}" for k in differ) + ")), or reuse its split with "
-            "boundaries=plan.boundaries, remat=plan.remat instead of plan=.")
+            "boundaries=plan.boundaries, remat=plan.pipeline_remat instead of plan=.")
     if memory_budget is not None:
         raise ValueError(f"Pipeline: plan= runs the plan as is (made under memory_budget="
                          f"{plan.memory_budget}), so memory_budget={memory_budget!r} would be "

@@ -32,7 +32,8 @@ class PipelinePlanning:
             memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, model=self.model,
             zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
-            remat=self._planned_remat(), param_state_factor=self.param_state_factor)
+            remat=self._planned_remat(), whole_stage_remat=self._planned_whole_stages(),
+            param_state_factor=self.param_state_factor)
 
     def _planned_remat(self) -> list | None:
         """The user's remat as one bool per layer for the planner to predict (it reported
@@ -46,6 +47,14 @@ class PipelinePlanning:
                 return None
             out += [prog.stage_remat == "full" or r for r in prog.layer_remat]
         return out
+
+    def _planned_whole_stages(self) -> list | None:
+        """Per stage, recomputed whole from its input (a stage's remat "full"); None where
+        no stage is or the planner chooses."""
+        if self._planned_remat() is None or not any(p.stage_remat == "full"
+                                                     for p in self.programs):
+            return None
+        return [p.stage_remat == "full" for p in self.programs]
 
     @property
     def plan(self):

@@ -22,7 +22,7 @@ from jaxhybrid.plan.costs import LayerCost, layer_times
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.memory_model import spmd_memory
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd
+from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, whole_stages_within
 from jaxhybrid.plan.topology import parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -64,13 +64,16 @@ def device_memory(costs: Sequence[LayerCost], layout: Layout, *, num_microbatche
     sched = make_schedule(schedule if layout.pipe > 1 else "1f1b", layout.pipe, num_microbatches)
     kw = dict(param_state_factor=param_state_factor, optimizer_factor=optimizer_factor,
               model=layout.model, zero_shards=layout.data if layout.zero else 1)
-    remat = None
+    remat = whole = None
     if budget is not None:
         try:
-            remat = choose_remat_spmd(costs, cuts, sched, parse_bytes(budget), **kw)
+            try:
+                remat = choose_remat_spmd(costs, cuts, sched, parse_bytes(budget), **kw)
+            except MemoryBudgetError as e:
+                remat, whole = whole_stages_within(costs, cuts, sched, budget, e, **kw)
         except MemoryBudgetError:
             return float("inf")
-    return spmd_memory(costs, cuts, sched, remat, **kw)[1]
+    return spmd_memory(costs, cuts, sched, remat, whole_stage=whole, **kw)[1]
 
 
 def largest_depth(costs_of_depth: Callable[[int], Sequence[LayerCost]], layout: Layout,

@@ -40,7 +40,13 @@ each term by name; `scripts/bench.py memory` compares their sum with the compile
                                    2bw: two), a predicting optimizer's last update and
                                    the copies the compiled step holds for in-stream updates
 
-with kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
+A stage recomputed whole from its input (`whole_stage`: the runtime's stage-level
+remat="full", one jax.checkpoint around the stage) keeps that input alone (and, last,
+the loss's residuals); its backward re-materialises every residual of the stage at once
+(its transient), and a split backward's B runs it whole, so its crossing values are the
+stage's parameter gradients.
+
+Otherwise kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
 saved_bytes (less what an earlier layer of the stage, not recomputed, stashes too: one
 value, `LayerCost.shared_residuals`), plus, on the last stage, the loss's residuals (the model output's bytes:
 cross-entropy keeps the softmax for its backward); row = per dtype the largest stage's
@@ -133,13 +139,15 @@ def _on_device(costs, param_state_factor, model, zero_shards, optimizer_factor):
     return [local_cost(c, model) for c in costs], factor
 
 
-def _kept_by_dtype(costs, a, b, r, shared: bool = True) -> dict:
+def _kept_by_dtype(costs, a, b, r, shared: bool = True, whole: bool = False) -> dict:
     """A stage's kept residuals by dtype name (one stash buffer per dtype). Residuals of
     unknown dtype, recomputed layers' inputs and the loss's count as float32. A value two
     neighbouring layers both stash (`LayerCost.shared_residuals`) counts once, unless
     `shared=False`: the recompute search's linear model, where recomputing a layer frees
     all of its residuals (an upper bound on what is kept; its picks are checked against
-    the model with sharing)."""
+    the model with sharing). `whole`: the stage is recomputed whole and keeps its input."""
+    if whole:
+        return {"float32": float(costs[a].saved_bytes_remat) + _loss_bytes(costs, b)}
     out: dict = {}
     for i, c in enumerate(costs[a:b], a):
         # What an earlier layer of the stage, not recomputed, stashes too is one value
@@ -161,7 +169,7 @@ def _kept_by_dtype(costs, a, b, r, shared: bool = True) -> dict:
     return out
 
 
-def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
+def _cross_ring(costs, ranges, r, schedule, row: dict, whole) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values that do not fit into the row's space W no longer
     reads (the padded row less the residuals W still reads); the ring's row is the
@@ -173,15 +181,18 @@ def _cross_ring(costs, ranges, r, schedule, row: dict) -> float:
     its input alone (six Dense(256) layers at microbatch 64, zb-h1, pipe 2, all
     recomputed: a ring of 1.57MB, three kernels' gradients per slot, where this model
     said nothing and a budget it called met was missed by 29%). The first stage is
-    `_first_stage_values`'. `row`: the padded stash row by dtype (`_row_terms`)."""
+    `_first_stage_values`'. `row`: the padded stash row by dtype (`_row_terms`); `whole`:
+    per stage, recomputed whole (its B runs the one checkpoint: every layer's parameter
+    gradients cross)."""
     slots = schedule.ring_slots()[1].get("cross", 0)
     if not (getattr(schedule, "split_backward", False) and slots):
         return 0.0
     over: dict = {}
-    piece = _largest_residual(costs, r)
-    for a, b in ranges:
-        values, live = (_first_stage_values(costs, b, r) if a == 0
-                        else _stage_cross_values(costs, a, b, r))
+    piece = _largest_residual(costs, r, ranges, whole)
+    for (a, b), w in zip(ranges, whole):
+        values, live = (_first_stage_values(costs, b, r, w) if a == 0
+                        else _stage_cross_values(costs, a, b, np.ones(len(costs), bool) if w
+                                                 else r))
         for d, n in _overflow(values, row, live, piece).items():
             over[d] = max(over.get(d, 0.0), n)
     return float(slots * sum(over.values()))
@@ -210,7 +221,7 @@ def _as_values(whole: list, by_dtype: dict, scale: float) -> list:
     return [[d, v * scale, False] for d, v in by_dtype.items()]
 
 
-def _first_stage_values(costs, b, r) -> tuple[list, dict]:
+def _first_stage_values(costs, b, r, whole: bool = False) -> tuple[list, dict]:
     """The first stage's input is not differentiated, so its B has nothing to make: W
     runs the whole backward, reads every residual of the stage (no row space is free)
     and gets the stage output's cotangent as its crossing value (a Dense(32)+gelu,
@@ -221,18 +232,20 @@ def _first_stage_values(costs, b, r) -> tuple[list, dict]:
         return [], {}
     last = costs[b - 1]
     dtype = max(last.cross_by_dtype, key=last.cross_by_dtype.get, default="float32")
-    return [[dtype, float(last.out_bytes), True]], _kept_by_dtype(costs, 0, b, r)
+    return [[dtype, float(last.out_bytes), True]], _kept_by_dtype(costs, 0, b, r, whole=whole)
 
 
-def _largest_residual(costs, r) -> dict:
-    """By dtype, the largest value a stash row holds (a recomputed layer's input and the
-    loss's residual count as one float32 value each; {} where no layer recorded its
-    largest)."""
+def _largest_residual(costs, r, ranges, whole) -> dict:
+    """By dtype, the largest value a stash row holds (a recomputed layer's input, a stage
+    recomputed whole's input and the loss's residual count as one float32 value each;
+    {} where no layer recorded its largest)."""
     out: dict = {"float32": _loss_bytes(costs, len(costs))}
-    for i, c in enumerate(costs):
-        for d, n in ({"float32": c.saved_bytes_remat} if r[i]
-                     else c.largest_saved_by_dtype).items():
-            out[d] = max(out.get(d, 0.0), float(n))
+    for (a, b), w in zip(ranges, whole):
+        for i in range(a, a + 1 if w else b):
+            c = costs[i]
+            for d, n in ({"float32": c.saved_bytes_remat} if r[i] or w
+                         else c.largest_saved_by_dtype).items():
+                out[d] = max(out.get(d, 0.0), float(n))
     return out if any(c.largest_saved_by_dtype for c in costs) else {}
 
 
@@ -268,14 +281,20 @@ def _residual_share(c) -> float:
     return c.saved_bytes / total if total else 1.0
 
 
-def _transient(costs, a, b, r) -> float:
-    """The largest residuals a recomputed layer of the stage re-materialises."""
+def _transient(costs, a, b, r, whole: bool = False) -> float:
+    """The largest residuals a recomputed layer of the stage re-materialises; recomputed
+    whole, the residuals of all of its layers at once (its backward recomputes the stage,
+    then runs every layer's backward)."""
+    if whole:
+        kept = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
+        return float(sum(kept.values()) - _loss_bytes(costs, b))
     return float(max([max(c.saved_bytes - c.saved_bytes_remat, 0)
                       for i, c in enumerate(costs[a:b], a) if r[i]], default=0))
 
 
-def _checked(costs, boundaries, schedule, remat):
-    """(stage ranges, remat flags as a bool array) after checking the arguments agree."""
+def _checked(costs, boundaries, schedule, remat, whole_stage):
+    """(stage ranges, remat flags as a bool array, whole-stage flags as a bool array)
+    after checking the arguments agree."""
     L = len(costs)
     ranges = stage_ranges(boundaries, L)
     if schedule.num_stages != len(ranges):
@@ -284,35 +303,42 @@ def _checked(costs, boundaries, schedule, remat):
     r = np.zeros(L, bool) if remat is None else np.asarray(remat, bool)
     if r.shape != (L,):
         raise ValueError(f"remat needs one bool per layer ({L}), got {len(r)}.")
-    return ranges, r
+    w = np.zeros(len(ranges), bool) if whole_stage is None else np.asarray(whole_stage, bool)
+    if w.shape != (len(ranges),):
+        raise ValueError(f"whole_stage needs one bool per stage ({len(ranges)}), got "
+                         f"{np.size(w)}.")
+    return ranges, r, w
 
 
-def _row_terms(costs, ranges, r) -> tuple[np.ndarray, dict, np.ndarray]:
+def _row_terms(costs, ranges, r, whole) -> tuple[np.ndarray, dict, np.ndarray]:
     """(kept residuals per stage, the padded row: per dtype the largest stage's, working
     set beside the row per stage: transient + backward work)."""
-    by_dtype = [_kept_by_dtype(costs, a, b, r) for a, b in ranges]
+    by_dtype = [_kept_by_dtype(costs, a, b, r, whole=w) for (a, b), w in zip(ranges, whole)]
     kept = np.array([sum(d.values()) for d in by_dtype])
     row = {k: max(d.get(k, 0.0) for d in by_dtype) for k in {k for d in by_dtype for k in d}}
-    work = np.array([_transient(costs, a, b, r) + _backward_work(costs, a, b) for a, b in ranges])
+    work = np.array([_transient(costs, a, b, r, w) + _backward_work(costs, a, b)
+                     for (a, b), w in zip(ranges, whole)])
     return kept, row, work
 
 
 def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                 remat: Sequence[bool] | None = None, *,
                 param_state_factor: float = 4, model: int = 1, zero_shards: int = 1,
-                optimizer_factor: float = 2) -> tuple[np.ndarray, float]:
+                optimizer_factor: float = 2,
+                whole_stage: Sequence[bool] | None = None) -> tuple[np.ndarray, float]:
     """SPMD model (module docstring): (per stage, the device bytes if every stage were
     like this one; the device bytes of the real program, >= the per-stage maximum).
     `schedule`: a `jaxhybrid.schedules.Schedule` (its slot counts size the buffers).
     model: tensor-parallel degree; zero_shards: data replicas the optimizer state
     (`optimizer_factor` x param bytes of the factor: Adam's 2 moments) is split over
-    (ZeRO; 1 without), both applied by `_on_device`."""
+    (ZeRO; 1 without), both applied by `_on_device`. whole_stage: per stage, recomputed
+    whole from its input (the runtime's stage-level remat="full"; None: no stage)."""
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
-    ranges, r = _checked(costs, boundaries, schedule, remat)
+    ranges, r, whole = _checked(costs, boundaries, schedule, remat, whole_stage)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
-    kept, row, work = _row_terms(costs, ranges, r)
-    cross = _cross_ring(costs, ranges, r, schedule, row)
+    kept, row, work = _row_terms(costs, ranges, r, whole)
+    cross = _cross_ring(costs, ranges, r, schedule, row, whole)
     return (fixed + cross + rows * kept + work,
             float(fixed + cross + rows * sum(row.values()) + work.max()))
 
@@ -320,16 +346,17 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
 def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                  remat: Sequence[bool] | None = None, *,
                  param_state_factor: float = 4, model: int = 1, zero_shards: int = 1,
-                 optimizer_factor: float = 2) -> dict:
+                 optimizer_factor: float = 2,
+                 whole_stage: Sequence[bool] | None = None) -> dict:
     """`spmd_memory`'s device bytes by term (module docstring), {name: bytes}; the values
     add up to `spmd_memory(...)[1]`."""
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
-    ranges, r = _checked(costs, boundaries, schedule, remat)
-    _, by_dtype, work = _row_terms(costs, ranges, r)
+    ranges, r, whole = _checked(costs, boundaries, schedule, remat, whole_stage)
+    _, by_dtype, work = _row_terms(costs, ranges, r, whole)
     row = float(sum(by_dtype.values()))
     terms = _fixed_terms(costs, ranges, schedule, param_state_factor)
     terms.update(stash=float(schedule.ring_slots()[1]["stash"] * row),
                  working=float(_working_rows(schedule) * row + work.max()),
-                 cross=_cross_ring(costs, ranges, r, schedule, by_dtype))
+                 cross=_cross_ring(costs, ranges, r, schedule, by_dtype, whole))
     return terms

@@ -69,6 +69,9 @@ class Plan:
     # times themselves).
     stage_fwd_cpu: list[float] | None = None
     stage_bwd_cpu: list[float] | None = None
+    # Per stage, recomputed whole from its input (the runtime's stage-level remat="full":
+    # its layers' remat entries are True too; None: no stage).
+    whole_stage_remat: list[bool] | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -91,7 +94,8 @@ class Plan:
         if self.stage_fwd_time is None:   # no split given: assume backward = 2 x forward
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
-        for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu"):
+        for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu",
+                  "whole_stage_remat"):
             if getattr(self, f) is not None and len(getattr(self, f)) != S:
                 raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
 
@@ -99,6 +103,21 @@ class Plan:
     @property
     def stage_ranges(self) -> list[tuple[int, int]]:
         return stage_ranges(self.boundaries, self.num_layers)
+
+    @property
+    def pipeline_remat(self) -> list:
+        """The plan's recomputation as `Pipeline(remat=...)` takes it: one bool per layer,
+        or, with stages recomputed whole (`whole_stage_remat`), "full" / "none" per stage."""
+        whole = self.whole_stage_remat or [False] * self.num_stages
+        if not any(whole):
+            return [bool(r) for r in self.remat]
+        mixed = [s for s, ((a, b), w) in enumerate(zip(self.stage_ranges, whole))
+                 if not w and any(self.remat[a:b])]
+        if mixed:
+            raise ValueError(f"Plan: stages {mixed} recompute single layers beside stages "
+                             f"recomputed whole; a Pipeline runs one or the other: set "
+                             f"whole_stage_remat for every stage or for none.")
+        return ["full" if w else "none" for w in whole]
 
     @property
     def stage_time(self) -> np.ndarray:
@@ -192,7 +211,8 @@ class Plan:
                 f"{s:>5} {f'{a}-{b - 1}':>9} {names[:28]:<28} {1e3 * self.stage_fwd_time[s]:>8.3f} "
                 f"{1e3 * self.stage_bwd_time[s]:>8.3f} {1e3 * self.stage_transfer_time[s]:>8.3f} "
                 f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
-                f"{sum(self.remat[a:b]):>5}  {devs}")
+                f"{'whole' if (self.whole_stage_remat or [0] * S)[s] else sum(self.remat[a:b]):>5}"
+                f"  {devs}")
         lines.append(f"bottleneck {1e3 * self.bottleneck_time:.3f} ms/microbatch; predicted step "
                      f"{1e3 * self.predicted_step_time:.3f} ms; bubble {self.bubble_fraction:.3f}; "
                      f"boundaries {self.boundaries}")

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxhybrid.boundaries import check_boundaries, stage_sums
+from jaxhybrid.boundaries import check_boundaries, stage_ranges, stage_sums
 from jaxhybrid.checks import is_int
 from jaxhybrid.plan.costs import LayerCost
 from jaxhybrid.plan.layer_cost import cpu_seconds, layer_times
@@ -24,7 +24,8 @@ from jaxhybrid.plan.memory_model import spmd_memory
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.partitioning import OBJECTIVES, device_grid, map_devices, partition, stage_costs
 from jaxhybrid.plan.plan import Plan
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, recompute_time
+from jaxhybrid.plan.remat import (MemoryBudgetError, choose_remat_spmd, recompute_time,
+                                  whole_stages_within)
 from jaxhybrid.plan.step_model import engine_terms, tick_transfer
 from jaxhybrid.plan.topology import Topology, parse_bytes
 from jaxhybrid.schedules import make_schedule
@@ -78,7 +79,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               device_order: Sequence[int] | None = None, max_mapping_rounds: int = 4,
               boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
               hardware=None, model: int = 1, zero_shards: int = 1,
-              remat: Sequence[bool] | None = None) -> Plan:
+              remat: Sequence[bool] | None = None,
+              whole_stage_remat: Sequence[bool] | None = None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -92,6 +94,10 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
     (ZeRO; 1 without). remat: one bool per layer, recomputation already chosen (the
     user's); its memory and recompute time are predicted instead of choosing one.
+    whole_stage_remat: one bool per stage, recomputed whole from its input (the runtime's
+    stage-level remat="full": it keeps only that input); with `memory_budget` and
+    neither given, stages recomputed whole are the last resort when no per-layer choice
+    fits.
     objective: "bottleneck" (the least slowest stage, ties to the most even split),
     "alpa" (sum + (M - 1) x slowest stage) or "step" (the least predicted step,
     `fastest_cuts`: the schedule's fill and drain, the engine terms of `hardware`)."""
@@ -125,6 +131,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if remat is not None and len(remat) != L:
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
+    whole = _whole_stages(whole_stage_remat, S)
     priced = functools.partial(_priced_plan, costs, times, sched, data=int(data),
                                topology=topology, hardware=hardware, budget=budget,
                                objective=objective, param_state_factor=param_state_factor,
@@ -132,35 +139,54 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     if objective == "step" and boundaries is None:
         def step_time(c):
             c_sc = stage_costs(t, c, device_order=order, num_microbatches=M, **link)
-            return priced(c, order, c_sc, remat).predicted_step_time
+            return priced(c, order, c_sc, remat, whole).predicted_step_time
         cuts = fastest_cuts(cuts, L, step_time)
         sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
-    if budget is not None:
+    if budget is not None and whole_stage_remat is None:
         try:
             remat = choose_remat_spmd(costs, cuts, sched, budget,
                                       param_state_factor=param_state_factor, **shard)
         except MemoryBudgetError as e:
-            if boundaries is not None:
-                raise
-            cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e, num_microbatches=M,
-                                        param_state_factor=param_state_factor, **shard)
-            cuts, order, sc = cut(cuts)
-    return priced(cuts, order, sc, remat)
+            try:
+                if boundaries is not None:
+                    raise
+                cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e,
+                                            num_microbatches=M,
+                                            param_state_factor=param_state_factor, **shard)
+                cuts, order, sc = cut(cuts)
+            except MemoryBudgetError:
+                remat, whole = whole_stages_within(costs, cuts, sched, budget, e,
+                                                   param_state_factor=param_state_factor,
+                                                   **shard)
+    return priced(cuts, order, sc, remat, whole)
 
 
-def _priced_plan(costs, times, sched, cuts, order, sc, remat, *, data, topology, hardware,
-                 budget, objective, param_state_factor, shard) -> Plan:
-    """The Plan of these cuts, device order, stage costs `sc` and recomputation: its stage
-    times, memory (`memory_model.spmd_memory`) and the engine terms its predicted step
-    (`Plan.predicted_step`, the one step model) is priced with."""
+def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
+    if whole_stage_remat is None:
+        return [False] * S
+    if len(whole_stage_remat) != S:
+        raise ValueError(f"make_plan: whole_stage_remat has {len(whole_stage_remat)} entries, "
+                         f"one per stage ({S}).")
+    return [bool(w) for w in whole_stage_remat]
+
+
+def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, topology,
+                 hardware, budget, objective, param_state_factor, shard) -> Plan:
+    """The Plan of these cuts, device order, stage costs `sc`, recomputation (`remat` per
+    layer, `whole` per stage): its stage times, memory (`memory_model.spmd_memory`) and
+    the engine terms its predicted step (`Plan.predicted_step`, the one step model) is
+    priced with."""
+    # A stage recomputed whole runs every layer's forward again: its layers' time.
+    remat = [bool(r) or w for (a, b), w in zip(stage_ranges(cuts, len(costs)), whole)
+             for r in remat[a:b]]
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
-                                  **shard)
+                                  whole_stage=whole, **shard)
     engine, slots = _engine_fields(hardware, times, cuts, sched, data)
     S = sched.num_stages
     return Plan(num_layers=len(costs), boundaries=[int(b) for b in cuts], num_stages=S,
                 num_microbatches=sched.num_microbatches, schedule=sched.name, data=data,
                 device_order=None if order is None else [int(d) for d in order],
-                remat=[bool(r) for r in remat],
+                remat=[bool(r) for r in remat], whole_stage_remat=list(whole) if any(whole) else None,
                 stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
                 stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
                 memory_budget=budget, objective=objective, microbatch_size=costs[0].batch_size,

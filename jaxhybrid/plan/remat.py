@@ -109,7 +109,7 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
     L = len(costs)
-    ranges, _ = _checked(costs, boundaries, schedule, None)
+    ranges, *_ = _checked(costs, boundaries, schedule, None, None)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
     full = [c.saved_bytes > c.saved_bytes_remat for c in costs]
     device = lambda r: spmd_memory(costs, boundaries, schedule, r,  # noqa: E731
@@ -163,16 +163,33 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
     # The choices are per layer: in a chain of layers whose output is the next one's
     # input (Dense + tanh), recomputing a layer keeps its input and saves nothing, where
     # the runtime's stage-level remat="full" keeps only each stage's input (a probe: 321KB
-    # predicted per layer, 115KB compiled for "full").
+    # predicted per layer, 115KB compiled for "full"); make_plan tries that next.
     raise MemoryBudgetError(
         f"the SPMD program needs {fmt_bytes(least[1])} per device {how}, the least of the "
         f"per-layer choices tried (largest stage: {int(np.argmax(least[0]))}; "
         f"parameters/optimizer state and buffers alone {fmt_bytes(fixed)}), "
         f"{fmt_bytes(over)} ({int(round(over))} bytes) over the {fmt_bytes(budget)} memory "
         f"budget; use more pipeline stages, more microbatches with a smaller microbatch, a "
-        f"bigger budget, or remat=\"full\" (each stage recomputed from its input, keeping "
-        f"only that input: often far less than this per-layer figure; the planner does not "
-        f"model it, check the compiled step's memory_analysis()).")
+        f"bigger budget, or remat=\"full\" (each stage recomputed whole from its input, "
+        f"keeping only that input: often far less than this per-layer figure).")
+
+
+def whole_stages_within(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
+                        memory_budget: float | str, error: MemoryBudgetError,
+                        **memory) -> tuple[list[bool], list[bool]]:
+    """(per-layer remat, whole-stage flags) with every stage recomputed whole from its
+    input (the runtime's stage-level remat="full"): the last resort where no per-layer
+    choice meets `memory_budget` (in a chain each recomputed layer still keeps its input:
+    96 x Dense(8)+tanh needed 321KB so, 115KB compiled recomputed by stages). Raises
+    `error` (the per-layer search's), saying what this needs, when it misses the budget
+    too. `memory`: `spmd_memory`'s keywords (param_state_factor, model, ...)."""
+    L, S = len(costs), schedule.num_stages
+    need = spmd_memory(costs, boundaries, schedule, [True] * L, whole_stage=[True] * S,
+                       **memory)[1]
+    if need > parse_bytes(memory_budget):
+        raise MemoryBudgetError(f"{error} Each stage recomputed whole from its input needs "
+                                f"{fmt_bytes(need)} per device, over the budget too.") from None
+    return [True] * L, [True] * S
 
 
 class _StageChoices(NamedTuple):

@@ -1,0 +1,150 @@
+"""Stages recomputed whole from their input (the runtime's stage-level remat="full"): the
+memory model prices what such a stage keeps and re-materialises, the planner reports it
+for `Pipeline(remat="full")`, falls back to it when no per-layer choice meets a budget,
+and the Pipeline runs the plan it made."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhybrid as jh
+from jaxhybrid import pipeline as jp
+from jaxhybrid.plan import LayerCost, MemoryBudgetError, make_plan, spmd_memory
+from jaxhybrid.plan.memory_model import memory_terms
+from jaxhybrid.plan.plan import Plan
+from jaxhybrid.schedules import make_schedule
+from jaxhybrid.step_memory import compiled_bytes
+
+
+def layer(i, saved=1000, inp=100, params=8, out=None):
+    return LayerCost(name=f"l{i}", batch_size=1, fwd_flops=1, bwd_flops=2, fwd_bytes=1,
+                     bwd_bytes=1, param_bytes=params, param_count=params // 4, in_bytes=inp,
+                     out_bytes=inp if out is None else out, saved_bytes=saved,
+                     saved_bytes_remat=inp, fwd_time=1.0, bwd_time=2.0)
+
+
+def test_a_stage_recomputed_whole_keeps_its_input_and_rematerialises_every_residual():
+    costs = [dataclasses.replace(layer(i, saved=1000 + 100 * i, inp=100 + i), bwd_temp_bytes=30)
+             for i in range(6)]
+    sched = make_schedule("1f1b", 2, 4)
+    rows = sched.ring_slots()[1]["stash"] + 1
+    plain = memory_terms(costs, [3], sched)
+    whole = memory_terms(costs, [3], sched, [True] * 6, whole_stage=[True, True])
+    # Stage inputs 100 and 103 bytes, the last stage also the loss's (its 105-byte output).
+    row = max(100, 103 + 105)
+    assert whole["stash"] == rows * row - row
+    # Working: a row beside the ring, the largest stage's residuals all at once (layers
+    # 3-5: 1300 + 1400 + 1500), the largest layer's in + out cotangents and the stage's
+    # backward temporaries.
+    assert whole["working"] == row + (1300 + 1400 + 1500) + (105 + 105) + 3 * 30
+    for k in ("params", "opt_state", "grads", "inboxes", "inputs"):
+        assert whole[k] == plain[k]
+    # Per layer, every layer recomputed keeps every layer's input.
+    per_layer = memory_terms(costs, [3], sched, [True] * 6)
+    assert per_layer["stash"] == (rows - 1) * (103 + 104 + 105 + 105)
+    with pytest.raises(ValueError, match=r"whole_stage needs one bool per stage \(2\), got 3"):
+        spmd_memory(costs, [3], sched, whole_stage=[True] * 3)
+
+
+def test_a_split_backward_stage_recomputed_whole_crosses_its_parameter_gradients():
+    costs = [dataclasses.replace(layer(i, saved=4000, inp=100, params=400),
+                                 cross_by_dtype={"float32": 100}, param_by_dtype={"float32": 400},
+                                 weight_saved_by_dtype={"float32": 100})
+             for i in range(6)]
+    sched = make_schedule("zb-h1", 2, 4)
+    slots = sched.ring_slots()[1]["cross"]
+    whole = memory_terms(costs, [3], sched, [True] * 6, whole_stage=[True, True])
+    # Stage 1's B runs the one checkpoint whole: its three layers' 400-byte kernel
+    # gradients cross to W, into a row of max(100, 100 + 100) bytes (the loss's 100) that
+    # W no longer reads: 1200 - 200 per slot overflow into the cross ring.
+    assert whole["cross"] == slots * (1200 - 200)
+
+
+def _chain(n, width):
+    return [nn.Sequential([nn.Dense(width), jnp.tanh]) for _ in range(n)]
+
+
+def _mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _lowered_bytes(pipe, variables, x, y):
+    return compiled_bytes(pipe.value_and_grad(_mse).lower(variables, x, y, None).compile())
+
+
+def test_pipeline_remat_full_is_planned_as_compiled():
+    """A chain of Dense+tanh layers on 4 stages with remat="full": the plan's device memory
+    within 15% of the compiled value_and_grad step (+2% here; the per-layer reading, every
+    layer's input kept, is 1.55x it)."""
+    mesh = jh.make_mesh(data=1, pipe=4)
+    x = jax.random.normal(jax.random.key(0), (512, 8))
+    y = jnp.zeros((512, 8))
+    pipe = jp.Pipeline(_chain(24, 8), mesh=mesh, num_microbatches=4, remat="full",
+                       param_state_factor=2)
+    variables = pipe.init(jax.random.key(1), x)
+    plan = pipe.plan
+    assert plan.whole_stage_remat == [True] * 4 and all(plan.remat)
+    assert plan.pipeline_remat == ["full"] * 4
+    compiled = _lowered_bytes(pipe, variables, x, y)
+    assert abs(plan.device_memory / compiled - 1) < 0.15, (plan.device_memory, compiled)
+    per_layer = spmd_memory(pipe._layer_costs(), plan.boundaries, pipe.schedule, plan.remat,
+                            param_state_factor=2)[1]
+    assert per_layer > 1.4 * compiled
+
+
+def test_a_budget_only_whole_stages_meet_is_planned_and_run_with_them():
+    mesh = jh.make_mesh(data=1, pipe=4)
+    x = jax.random.normal(jax.random.key(0), (512, 8))
+    y = jnp.zeros((512, 8))
+    layers = _chain(24, 8)
+    probe = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, remat="full",
+                        param_state_factor=2)
+    probe.init(jax.random.key(1), x)
+    full = probe.plan
+    costs = probe._layer_costs()
+    per_layer = spmd_memory(costs, full.boundaries, probe.schedule, [True] * 24,
+                            param_state_factor=2)[1]
+    budget = (full.device_memory + per_layer) / 2
+    plan = make_plan(costs, num_stages=4, num_microbatches=4, schedule="1f1b",
+                     memory_budget=budget, boundaries=full.boundaries, param_state_factor=2)
+    assert plan.whole_stage_remat == [True] * 4 and plan.device_memory <= budget
+    assert Plan.from_json(plan.to_json()).whole_stage_remat == [True] * 4
+    with pytest.raises(MemoryBudgetError, match=r"every layer recomputed.*Each stage "
+                                                r"recomputed whole from its input needs "):
+        make_plan(costs, num_stages=4, num_microbatches=4, schedule="1f1b",
+                  memory_budget=full.device_memory * 0.9, boundaries=full.boundaries,
+                  param_state_factor=2)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, remat="auto",
+                       memory_budget=budget, boundaries=full.boundaries, param_state_factor=2)
+    variables = pipe.init(jax.random.key(1), x)
+    assert [p.stage_remat for p in pipe.programs] == ["full"] * 4
+    loss, grads, _ = pipe.value_and_grad(_mse)(variables, x, y, None)
+    per = pipe.unpack(variables)
+
+    def reference(per):
+        h = x
+        for layer, v in zip(layers, per):
+            h = layer.apply(v, h)
+        return _mse(h, y)
+
+    ref_loss, ref_grads = jax.value_and_grad(reference)(per)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(pipe.unpack(grads)), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    assert _lowered_bytes(pipe, variables, x, y) <= budget
+
+
+def test_a_plan_mixing_whole_stages_and_single_layers_is_refused_by_name():
+    costs = [layer(i) for i in range(4)]
+    plan = make_plan(costs, num_stages=2, num_microbatches=2, schedule="1f1b",
+                     boundaries=[2], remat=[False, False, True, False],
+                     whole_stage_remat=[True, False])
+    assert plan.remat == [True, True, True, False]
+    with pytest.raises(ValueError, match=r"stages \[1\] recompute single layers beside stages "
+                                         r"recomputed whole"):
+        plan.pipeline_remat
+    with pytest.raises(ValueError, match=r"whole_stage_remat has 3 entries, one per stage \(2\)"):
+        make_plan(costs, num_stages=2, num_microbatches=2, whole_stage_remat=[True] * 3)
