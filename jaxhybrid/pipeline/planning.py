@@ -69,8 +69,9 @@ class PipelinePlanning:
         return self._plan
 
     def _warn_over_budget(self, compiled, microbatch_rows: int) -> None:
-        """Warns where the compiled training step (of microbatches of `microbatch_rows`)
-        needs more than `memory_budget` per device: the planner's model fell short of it
+        """Warns where the compiled training step (of microbatches of `microbatch_rows`;
+        its variables and optimizer state donated, as the planner models it) needs more
+        than `memory_budget` per device: the planner's model fell short of it
         (docs/planner.md has its errors), or planned another microbatch size."""
         need = step_memory.compiled_bytes(compiled)
         warning = need and step_memory.over_budget(
@@ -85,7 +86,9 @@ class PipelinePlanning:
                        f"), this step's have {microbatch_rows}: give init a sample batch of "
                        f"the training batch's size. {warning}")
         if warning:
-            warnings.warn(f"Pipeline.train_step: {warning}", stacklevel=4)
+            warnings.warn(f"Pipeline.train_step: {warning} (Measured with the variables and "
+                          f"optimizer state donated, as train_step(..., donate=True) runs; "
+                          f"without it the step holds the old buffers too.)", stacklevel=4)
 
 
 _PROFILE_CACHE: dict = {}
