@@ -297,6 +297,18 @@ def test_train_step_of_a_tied_model_updates_its_copies_as_one():
     # Its dropout without rng=: the message named value_and_grad, which the user never called.
     with pytest.raises(ValueError, match=r"pass rng=: pipe\.train_step\(loss_fn, optimizer\)"):
         pipe.train_step(xent, tx)(variables, pipe.init_optimizer(tx, variables), x, t)
+    # donate=True: "value_and_grad() got an unexpected keyword argument 'donate'".
+    adam = optax.adam(1e-2)
+    _, _, want_new, _ = pipe.train_step(xent, adam)(
+        variables, pipe.init_optimizer(adam, variables), x, t, RNG)
+    opt_state = pipe.init_optimizer(adam, variables)
+    _, _, donated_new, _ = pipe.train_step(xent, adam, donate=True)(
+        jax.tree.map(jnp.copy, variables), opt_state, x, t, RNG)
+    for a, b in zip(jax.tree.leaves(donated_new), jax.tree.leaves(want_new)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree.leaves(opt_state) and all(a.is_deleted() for a in jax.tree.leaves(opt_state))
+    with pytest.raises(ValueError, match=r"opt_state: some arrays were donated"):
+        pipe.train_step(xent, adam)(variables, opt_state, x, t, RNG)
     async_pipe = jp.Pipeline(pipe.splitter.split, mesh=pipe.mesh, num_microbatches=2,
                              schedule="spectrain", boundaries=pipe.boundaries, remat="none")
     async_pipe.pack(native)

@@ -166,3 +166,38 @@ def test_pipeline_train_step_checks_the_budget_on_the_donated_step(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.train_step(loss_fn, opt)(variables, pipe.init_optimizer(opt, variables), x, y)
+
+
+def test_variables_donated_to_a_step_are_refused_by_name():
+    import flax.linen as nn
+    import numpy as np
+    import optax
+
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    x = np.ones((8, 16), np.float32)
+    y = np.zeros((8, 4), np.float32)
+    opt = optax.adam(1e-3)
+    loss_fn = lambda out, t: jnp.mean((out - t) ** 2)
+    pipe = jp.Pipeline([nn.Dense(16), nn.Dense(4)], mesh=jh.make_mesh(data=1, pipe=2),
+                       num_microbatches=2)
+    variables = pipe.init(jax.random.key(0), x)
+    opt_state = pipe.init_optimizer(opt, variables)
+    step = pipe.train_step(loss_fn, opt, donate=True)
+    _, _, new_vars, new_opt = step(variables, opt_state, x, y)
+    for call in (lambda: step(variables, new_opt, x, y),
+                 lambda: pipe.value_and_grad(loss_fn)(variables, x, y),
+                 lambda: pipe.apply(variables, x)):
+        with pytest.raises(ValueError, match=r"variables: some arrays were donated to a "
+                                             r"step .*pass the new variables"):
+            call()
+    with pytest.raises(ValueError, match=r"opt_state: some arrays were donated"):
+        step(new_vars, opt_state, x, y)
+    step(new_vars, new_opt, x, y)
+    # An optimizer state holding the parameter arrays themselves: XLA's "Attempt to
+    # donate the same buffer twice", then a segfault.
+    keeps = optax.GradientTransformation(lambda p: p, lambda u, s, p=None: (u, s))
+    variables = pipe.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"opt_state holds arrays of variables .*donate=True "
+                                         r"would hand over twice"):
+        pipe.train_step(loss_fn, keeps, donate=True)(variables, variables["params"], x, y)

@@ -431,6 +431,8 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         def step(variables, opt_state, inputs, targets, rng=None):
             packing.check_packed(variables, self.abstract_variables(), "train_step")
             async_weights.check_opt_state(opt_state, expected_state, not self.zero)
+            if donate:
+                packing.check_donatable(variables, opt_state, "Pipeline.train_step")
             inputs, targets = on_every_process(self, "train_step", inputs, targets)
             rng = same_key_everywhere(self, "train_step", rng)
             args = (variables, opt_state, inputs, targets, rng)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.tables import COL
 from jaxhybrid.schedules.asynchronous import is_asynchronous, staleness, updates_per_call
 
@@ -201,6 +202,7 @@ def check_opt_state(opt_state, expected, shapes: bool = True) -> None:
     pipeline's packed parameters (None, another optimizer's, one of per-layer params, or
     with `shapes` one made for another split or mesh): else it failed inside optax or as
     a shard_map shape error."""
+    packing.check_not_donated(opt_state, "Pipeline.train_step: opt_state")
     fix = "; make it with pipe.init_optimizer(optimizer, variables)."
     if jax.tree.structure(opt_state) != jax.tree.structure(expected):
         raise ValueError("Pipeline.train_step: opt_state is not this optimizer's state on the "

@@ -382,3 +382,30 @@ def check_packed(variables, expected: Mapping[str, Mapping[str, Any]], who: str)
                              f"pipeline's layout is {show(bufs)}: they were packed by another "
                              f"pipeline or before a pipe.init on inputs of other shapes; repack them with "
                              f"this one: pipe.pack(other_pipe.unpack(variables)).")
+    check_not_donated(variables, f"Pipeline.{who}: variables")
+
+
+def check_donatable(variables, opt_state, who: str) -> None:
+    """A ValueError naming the fix where a donating step would be handed one array twice
+    (an optimizer state holding the parameter arrays themselves): XLA's "Attempt to
+    donate the same buffer twice" ended the process."""
+    seen: set = set()
+    for a in jax.tree.leaves((variables, opt_state)):
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            if id(a) in seen:
+                raise ValueError(f"{who}: opt_state holds arrays of variables (or one array "
+                                 f"twice), which donate=True would hand over twice; make it "
+                                 f"with pipe.init_optimizer, or copy them "
+                                 f"(jax.tree.map(jnp.copy, opt_state)).")
+            seen.add(id(a))
+
+
+def check_not_donated(tree, what: str) -> None:
+    """A ValueError naming the fix where `tree` holds arrays a donating step took over
+    (`train_step(..., donate=True)`): jax's own error ("Buffer has been deleted or
+    donated") came from deep inside the call."""
+    if any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+           for a in jax.tree.leaves(tree)):
+        raise ValueError(f"{what}: some arrays were donated to a step "
+                         f"(train_step(..., donate=True) takes them over); pass the new "
+                         f"variables and optimizer state that step returned.")

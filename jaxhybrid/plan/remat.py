@@ -171,7 +171,8 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
         f"{fmt_bytes(over)} ({int(round(over))} bytes) over the {fmt_bytes(budget)} memory "
         f"budget; use more pipeline stages, more microbatches with a smaller microbatch, a "
         f"bigger budget, or remat=\"full\" (each stage recomputed whole from its input, "
-        f"keeping only that input: often far less than this per-layer figure).")
+        f"keeping only that input: less than this in a chain of layers, where each "
+        f"recomputed layer keeps its own input).")
 
 
 def whole_stages_within(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,

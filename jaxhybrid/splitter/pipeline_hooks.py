@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.layers import LossError
+from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, one_microbatch, rng_hint
 from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.splitter.model import SplitModel
@@ -155,16 +156,23 @@ class ModelSplitter:
                     f"inside the pipeline, but this model's pieces share variables (tied "
                     f"weights or a module used twice) whose copies would drift apart; use a "
                     f"synchronous schedule (e.g. '1f1b'), or untie them.")
+            donate = kwargs.pop("donate", False)
             value_and_grad, update = pipe.value_and_grad(loss_fn, **kwargs), {}
 
             def tied_step(variables, opt_state, inputs, targets, rng=None):
+                packing.check_not_donated(opt_state, "Pipeline.train_step: opt_state")
+                if donate:
+                    packing.check_donatable(variables, opt_state, "Pipeline.train_step")
                 with rng_hint(TRAIN_STEP_CALL):
                     loss, grads, new = value_and_grad(variables, inputs, targets, rng)
                 if not update:   # jitted once, keeping the buffers' and slots' placement
                     shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
+                    # donate: the update writes the new parameters and state into the
+                    # old ones' buffers (the gradient step above cannot: it reads them).
                     update["f"] = jax.jit(functools.partial(_apply_optimizer, optimizer),
                                           out_shardings=(shardings(variables["params"]),
-                                                         shardings(opt_state)))
+                                                         shardings(opt_state)),
+                                          donate_argnums=(1, 2) if donate else ())
                 params, opt_state = update["f"](grads, opt_state, variables["params"])
                 return loss, grads, {**new, "params": params}, opt_state
 
