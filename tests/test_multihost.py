@@ -191,11 +191,14 @@ def test_two_process_checkpoint_resumes_in_one_process(runs, tmp_path):
     ckpt = runs["root"] / "2p" / "checkpoints"
     meta = json.loads((ckpt / "2" / "meta" / "metadata").read_text())
     assert meta["processes"] == 2 and meta["step"] == 2
-    # Each process wrote its own shards, about half of them.
+    # Each process wrote its own shards, a good part of them. Not "about half" in bytes:
+    # process 0 also writes the replicated values, and OCDBT's files vary with timing
+    # (under CI load process 0's directory held 1029KB against 337KB, 25%; 440KB against
+    # 289KB, 40%, in a quiet run of the same test).
     written = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
                for p in (ckpt / "2" / "state").glob("ocdbt.process_*")}
     assert sorted(written) == ["ocdbt.process_0", "ocdbt.process_1"]
-    assert min(written.values()) > 0.3 * sum(written.values())
+    assert min(written.values()) > 0.15 * sum(written.values())
     single = sum(f.stat().st_size for f in (runs["root"] / "1p" / "checkpoints" / "2" / "state")
                  .glob("ocdbt.process_*/**/*") if f.is_file())
     print(f"\nmultihost: checkpoint bytes per process {written}, one process: {single}")
