@@ -390,22 +390,27 @@ def check_donatable(variables, opt_state, who: str) -> None:
     (an optimizer state holding the parameter arrays themselves): XLA's "Attempt to
     donate the same buffer twice" ended the process."""
     seen: set = set()
-    for a in jax.tree.leaves((variables, opt_state)):
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-            if id(a) in seen:
-                raise ValueError(f"{who}: opt_state holds arrays of variables (or one array "
-                                 f"twice), which donate=True would hand over twice; make it "
-                                 f"with pipe.init_optimizer, or copy them "
-                                 f"(jax.tree.map(jnp.copy, opt_state)).")
-            seen.add(id(a))
+    for a in _concrete_arrays((variables, opt_state)):
+        if id(a) in seen:
+            raise ValueError(f"{who}: opt_state holds arrays of variables (or one array "
+                             f"twice), which donate=True would hand over twice; make it "
+                             f"with pipe.init_optimizer, or copy them "
+                             f"(jax.tree.map(jnp.copy, opt_state)).")
+        seen.add(id(a))
 
 
 def check_not_donated(tree, what: str) -> None:
     """A ValueError naming the fix where `tree` holds arrays a donating step took over
     (`train_step(..., donate=True)`): jax's own error ("Buffer has been deleted or
     donated") came from deep inside the call."""
-    if any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
-           for a in jax.tree.leaves(tree)):
+    if any(a.is_deleted() for a in _concrete_arrays(tree)):
         raise ValueError(f"{what}: some arrays were donated to a step "
                          f"(train_step(..., donate=True) takes them over); pass the new "
                          f"variables and optimizer state that step returned.")
+
+
+def _concrete_arrays(tree):
+    """The jax arrays of `tree` that hold buffers (not tracers: under an outer jit there
+    is nothing to donate twice or to find deleted)."""
+    return (a for a in jax.tree.leaves(tree)
+            if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer))

@@ -64,7 +64,7 @@ from jaxhybrid.plan.hybrid_network import (allreduce_time, model_times, pipeline
                                            replica_offsets)
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.memory_model import spmd_memory
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, whole_stages_within
+from jaxhybrid.plan.remat import MemoryBudgetError, recompute_within
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.projection import Projection
 from jaxhybrid.plan.stat_efficiency import StatEfficiency
@@ -303,18 +303,15 @@ def _at_training_bytes(per_layer, hw: Hardware) -> list:
 
 def _fit_memory(engine_costs, cuts, mem_sched, usable: float, shard: dict):
     """(per-layer recompute flags, stage memory) within `usable` bytes per device: none
-    recomputed when it fits, else the planner's choice (`choose_remat_spmd`, then every
-    stage recomputed whole: `whole_stages_within`); or the reason (a str) when even that
-    does not fit."""
+    recomputed when it fits, else the planner's choice (`recompute_within`: per layer,
+    then every stage recomputed whole); or the reason (a str) when even that does not
+    fit."""
     flags, whole = [False] * len(engine_costs), None
     mem, device = spmd_memory(engine_costs, cuts, mem_sched, flags, **shard)
     if device <= usable:
         return flags, mem
     try:
-        try:
-            flags = choose_remat_spmd(engine_costs, cuts, mem_sched, usable, **shard)
-        except MemoryBudgetError as e:
-            flags, whole = whole_stages_within(engine_costs, cuts, mem_sched, usable, e, **shard)
+        flags, whole = recompute_within(engine_costs, cuts, mem_sched, usable, **shard)
     except MemoryBudgetError:
         every = [True] * len(flags)
         full, how = min((spmd_memory(engine_costs, cuts, mem_sched, every, **shard)[1],

@@ -22,7 +22,7 @@ from jaxhybrid.plan.costs import LayerCost, layer_times
 from jaxhybrid.plan.model_axis import local_cost
 from jaxhybrid.plan.partitioning import partition
 from jaxhybrid.plan.memory_model import spmd_memory
-from jaxhybrid.plan.remat import MemoryBudgetError, choose_remat_spmd, whole_stages_within
+from jaxhybrid.plan.remat import MemoryBudgetError, recompute_within
 from jaxhybrid.plan.topology import parse_bytes
 from jaxhybrid.schedules import make_schedule
 
@@ -67,10 +67,7 @@ def device_memory(costs: Sequence[LayerCost], layout: Layout, *, num_microbatche
     remat = whole = None
     if budget is not None:
         try:
-            try:
-                remat = choose_remat_spmd(costs, cuts, sched, parse_bytes(budget), **kw)
-            except MemoryBudgetError as e:
-                remat, whole = whole_stages_within(costs, cuts, sched, budget, e, **kw)
+            remat, whole = recompute_within(costs, cuts, sched, parse_bytes(budget), **kw)
         except MemoryBudgetError:
             return float("inf")
     return spmd_memory(costs, cuts, sched, remat, whole_stage=whole, **kw)[1]

@@ -147,14 +147,20 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
             remat = choose_remat_spmd(costs, cuts, sched, budget,
                                       param_state_factor=param_state_factor, **shard)
         except MemoryBudgetError as e:
-            try:
-                if boundaries is not None:
-                    raise
-                cuts, remat = cuts_that_fit(costs, times, t, sched, budget, e,
-                                            num_microbatches=M,
-                                            param_state_factor=param_state_factor, **shard)
-                cuts, order, sc = cut(cuts)
-            except MemoryBudgetError:
+            # Next: cuts that leave memory room (unless the cuts are the user's), then
+            # every stage recomputed whole on these cuts.
+            fitted = None
+            if boundaries is None:
+                try:
+                    fitted = cuts_that_fit(costs, times, t, sched, budget, e,
+                                           num_microbatches=M,
+                                           param_state_factor=param_state_factor, **shard)
+                except MemoryBudgetError:
+                    pass
+            if fitted is not None:
+                cuts, order, sc = cut(fitted[0])
+                remat = fitted[1]
+            else:
                 remat, whole = whole_stages_within(costs, cuts, sched, budget, e,
                                                    param_state_factor=param_state_factor,
                                                    **shard)

@@ -193,6 +193,18 @@ def whole_stages_within(costs: Sequence[LayerCost], boundaries: Sequence[int], s
     return [True] * L, [True] * S
 
 
+def recompute_within(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
+                     memory_budget: float | str, **memory) -> tuple[list[bool], list | None]:
+    """(per-layer remat, whole-stage flags or None) meeting `memory_budget`: the per-layer
+    choice (`choose_remat_spmd`), else every stage recomputed whole
+    (`whole_stages_within`); MemoryBudgetError when neither does. `memory`: their
+    keywords (param_state_factor, model, zero_shards, optimizer_factor)."""
+    try:
+        return choose_remat_spmd(costs, boundaries, schedule, memory_budget, **memory), None
+    except MemoryBudgetError as e:
+        return whole_stages_within(costs, boundaries, schedule, memory_budget, e, **memory)
+
+
 class _StageChoices(NamedTuple):
     """One stage's recomputation choices (`choose_remat_spmd`)."""
     first: int            # the stage's first layer
