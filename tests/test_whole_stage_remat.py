@@ -137,14 +137,45 @@ def test_a_budget_only_whole_stages_meet_is_planned_and_run_with_them():
     assert _lowered_bytes(pipe, variables, x, y) <= budget
 
 
-def test_a_plan_mixing_whole_stages_and_single_layers_is_refused_by_name():
+def test_a_plan_mixing_whole_stages_and_single_layers_runs_as_planned():
+    """One stage recomputed whole, another recomputing one of its layers: the plan hands
+    the Pipeline both (per stage "full" or that stage's bools), the Pipeline plans what it
+    runs, and the step is exact against one device."""
     costs = [layer(i) for i in range(4)]
     plan = make_plan(costs, num_stages=2, num_microbatches=2, schedule="1f1b",
                      boundaries=[2], remat=[False, False, True, False],
                      whole_stage_remat=[True, False])
     assert plan.remat == [True, True, True, False]
-    with pytest.raises(ValueError, match=r"stages \[1\] recompute single layers beside stages "
-                                         r"recomputed whole"):
-        plan.pipeline_remat
+    assert plan.pipeline_remat == ["full", [True, False]]
     with pytest.raises(ValueError, match=r"whole_stage_remat has 3 entries, one per stage \(2\)"):
         make_plan(costs, num_stages=2, num_microbatches=2, whole_stage_remat=[True] * 3)
+
+    mesh = jh.make_mesh(data=2, pipe=4)
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    y = jnp.ones((16, 8))
+    layers = _chain(8, 8)
+    remat = ["full", [False, True], "none", [True, True]]
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=2, remat=remat,
+                       boundaries=[2, 4, 6])
+    variables = pipe.init(jax.random.key(1), x)
+    assert [p.stage_remat for p in pipe.programs] == ["full", "none", "none", "none"]
+    assert [p.layer_remat for p in pipe.programs] == [(False, False), (False, True),
+                                                      (False, False), (True, True)]
+    assert pipe.plan.whole_stage_remat == [True, False, False, False]
+    assert pipe.plan.pipeline_remat == ["full", [False, True], [False, False], [True, True]]
+    loss, grads, _ = pipe.value_and_grad(_mse)(variables, x, y, None)
+
+    def reference(per):
+        h = x
+        for lay, v in zip(layers, per):
+            h = lay.apply(v, h)
+        return _mse(h, y)
+
+    ref_loss, ref_grads = jax.value_and_grad(reference)(pipe.unpack(variables))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(pipe.unpack(grads)), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"remat\[1\] has 3 bools, stage 1 has 2 layers "
+                                         r"\(2\.\.3\)"):
+        jp.Pipeline(layers, mesh=mesh, num_microbatches=2, boundaries=[2, 4, 6],
+                    remat=["full", [True] * 3, "none", "none"])

@@ -26,7 +26,7 @@ from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_i
 from jaxhybrid.pipeline.planning import PipelinePlanning
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
-                                       even_boundaries, stage_ranges)
+                                       even_boundaries, is_layer_flags, stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule
 from jaxhybrid.schedules.asynchronous import synchronous_view, updates_per_call
 from jaxhybrid.weighted_loss import per_part
@@ -53,8 +53,9 @@ class Pipeline(PipelinePlanning, PipelineVariables):
       boundaries: first layer index of stages 1..num_stages-1; None = the planner's
         cost-balanced split (decided in `init`, from the layers profiled on one microbatch).
       remat: "none" | "full" (recompute each stage from its input) | a
-        `jax.checkpoint_policies` name | a per-stage list of those | a list of one bool
-        per layer (recompute that layer) | "auto" (the planner's per-layer choice so that
+        `jax.checkpoint_policies` name | a per-stage list of those or of per-layer bool
+        lists (e.g. ["full", [True, False]]) | a list of one bool per layer (recompute
+        that layer) | "auto" (the planner's per-layer choice so that
         every stage fits `memory_budget`; no recompute without a budget).
       memory_budget: bytes per device (int or "16GB") for remat="auto";
         param_state_factor: what the training step holds per parameter byte, for the
@@ -160,11 +161,24 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                 len(remat) == S and any(isinstance(r, str) for r in remat)):
             per_stage, per_layer = ["none"] * S, [bool(r) for r in remat]
         elif isinstance(remat, (list, tuple)) and len(remat) == S and all(
-                isinstance(r, str) for r in remat):
-            per_stage, per_layer = [check_stage_remat(r) for r in remat], [False] * L
+                isinstance(r, str) or is_layer_flags(r) for r in remat):
+            # Per stage: a stage-wide choice, or that stage's own per-layer flags (a plan
+            # recomputing some stages whole and single layers in others).
+            per_stage, per_layer = [], []
+            for s, (r, (a, b)) in enumerate(zip(remat, self.ranges)):
+                if isinstance(r, str):
+                    per_stage.append(check_stage_remat(r))
+                    per_layer += [False] * (b - a)
+                elif len(r) != b - a:
+                    raise ValueError(f"Pipeline: remat[{s}] has {len(r)} bools, stage {s} "
+                                     f"has {b - a} layers ({a}..{b - 1}): give one per layer.")
+                else:
+                    per_stage.append("none")
+                    per_layer += [bool(f) for f in r]
         else:
             raise ValueError(f"Pipeline: remat={remat!r} must be 'none', 'full', 'auto', a "
-                             f"jax.checkpoint_policies name, a list of {S} of those (one per "
+                             f"jax.checkpoint_policies name, a list of {S} entries (one per "
+                             f"stage: one of those, or a list of bools, one per layer of the "
                              f"stage), or a list of {L} bools (one per layer).")
         return [StageProgram(s, a, b, per_stage[s], tuple(per_layer[a:b]))
                 for s, (a, b) in enumerate(self.ranges)]

@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhybrid.boundaries import check_boundaries, even_boundaries, stage_ranges  # noqa: F401 (re-exported)
 from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
@@ -42,6 +43,11 @@ def check_stage_remat(choice: str) -> str:
     if choice not in STAGE_REMAT_CHOICES:
         _policy(choice)
     return choice
+
+
+def is_layer_flags(r) -> bool:
+    """Whether a per-stage remat entry is that stage's per-layer recompute flags."""
+    return isinstance(r, (list, tuple)) and all(isinstance(f, (bool, np.bool_)) for f in r)
 
 
 @dataclasses.dataclass(frozen=True)

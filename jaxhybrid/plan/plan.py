@@ -107,17 +107,13 @@ class Plan:
     @property
     def pipeline_remat(self) -> list:
         """The plan's recomputation as `Pipeline(remat=...)` takes it: one bool per layer,
-        or, with stages recomputed whole (`whole_stage_remat`), "full" / "none" per stage."""
+        or, with stages recomputed whole (`whole_stage_remat`), per stage "full" or that
+        stage's per-layer bools."""
         whole = self.whole_stage_remat or [False] * self.num_stages
         if not any(whole):
             return [bool(r) for r in self.remat]
-        mixed = [s for s, ((a, b), w) in enumerate(zip(self.stage_ranges, whole))
-                 if not w and any(self.remat[a:b])]
-        if mixed:
-            raise ValueError(f"Plan: stages {mixed} recompute single layers beside stages "
-                             f"recomputed whole; a Pipeline runs one or the other: set "
-                             f"whole_stage_remat for every stage or for none.")
-        return ["full" if w else "none" for w in whole]
+        return ["full" if w else [bool(r) for r in self.remat[a:b]]
+                for (a, b), w in zip(self.stage_ranges, whole)]
 
     @property
     def stage_time(self) -> np.ndarray:
