@@ -107,6 +107,20 @@ def test_a_python_number_among_a_layers_outputs_crosses_a_cut():
     _close([v["params"] for v in pipe.unpack({**packed, "params": grads})], want, "gradients")
 
 
+@pytest.mark.parametrize("how", [dict(), dict(boundaries=[1], remat="auto", memory_budget="1GB")])
+def test_the_planner_profiles_a_layer_whose_outputs_hold_a_python_number(how):
+    # The planner's profile read .dtype of every output leaf: the default (planned cuts)
+    # and remat="auto" failed in init with "'float' object has no attribute 'dtype'".
+    layers, x = [WithTemperature(), Scaled()], jnp.ones((4, 4))
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2, **how)
+    packed = pipe.init(jax.random.key(0), x)
+    assert pipe.plan.boundaries == [1]
+    loss, _, _ = pipe.value_and_grad(mse)(packed, x, jnp.zeros((4, 4)))
+    want_loss, _, _ = jp.reference_value_and_grad(layers, pipe.unpack(packed), mse, x,
+                                                  jnp.zeros((4, 4)), num_microbatches=2)
+    _close(loss, want_loss, "loss")
+
+
 class DenseOf(nn.Module):
     param_dtype: str
 

@@ -205,6 +205,20 @@ def test_pack_unpack_round_trip():
     assert stats["total_params"] == sum(a.size for v in per_layer for a in _leaves(v["params"]))
 
 
+def test_a_model_without_parameters_unpacks_its_empty_gradients():
+    # Its gradients are {}: unpack refused them, telling the user to pass packed gradients.
+    layers = [nn.Sequential([jnp.tanh]), nn.Sequential([jnp.sin])]
+    x = jnp.ones((4, 3))
+    pipe = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                       boundaries=[1])
+    v = pipe.init(jax.random.key(0), x)
+    loss, grads, _ = pipe.value_and_grad(lambda o, t: jnp.mean((o - t) ** 2))(v, x, x * 0, None)
+    np.testing.assert_allclose(loss, jnp.mean(jnp.sin(jnp.tanh(x)) ** 2), rtol=1e-6)
+    assert grads == {} and pipe.unpack(grads) == [{}, {}] == pipe.unpack(v)
+    with pytest.raises(ValueError, match=r"Pipeline.unpack: got a tree with keys \['x'\]"):
+        pipe.unpack({"x": 1})
+
+
 def test_errors():
     mesh = jh.make_mesh(data=2, pipe=4)
     with pytest.raises(ValueError, match="4 stages but only 3 layers"):

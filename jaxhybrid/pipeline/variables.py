@@ -211,7 +211,8 @@ class PipelineVariables:
         self._require_vars()
         if "params" not in variables:
             keys = {k for d in self.param_layouts for k in d["params"].size_of}
-            if not variables or not set(variables) <= keys:
+            # {}: a model without parameters has no gradient buffers (nor wrong ones).
+            if (not variables and keys) or not set(variables) <= keys:
                 raise ValueError(f"Pipeline.unpack: got a tree with keys {sorted(variables)}; "
                                  "pass packed variables (from pipe.init or a step) or packed "
                                  f"gradients (buffers {sorted(keys)}).")

@@ -89,8 +89,10 @@ def _count(tree) -> int:
 
 
 def _is_float(x) -> bool:
+    # jnp.result_type: a Python number among a layer's outputs has no .dtype (the default
+    # planner's profile failed on one as "'float' object has no attribute 'dtype'").
     import jax.numpy as jnp
-    return jnp.issubdtype(x.dtype, jnp.inexact)
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _xla_cost(compiled) -> tuple[float, float]:
