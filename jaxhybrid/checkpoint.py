@@ -40,9 +40,12 @@ leaves), and its inverse packs the restored shards.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import threading
+import weakref
 from typing import Any
 
 import jax
@@ -364,6 +367,26 @@ def _short(error, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _finish_at_exit(checkpointer: "Checkpointer") -> None:
+    """Finishes `checkpointer`'s pending asynchronous save when the program ends: a
+    script that saved and returned without `wait` / `close` exited 0 with only a
+    temporary step directory (orbax's commit cannot start once the interpreter shuts its
+    thread pools down). threading's exit hooks run newest first, before those pools shut
+    down; atexit's would run after them. One process only: on several, the save's
+    commit waits for the others, which may be gone (`close` there)."""
+    if jax.process_count() > 1:
+        return
+    ref = weakref.ref(checkpointer)
+
+    def finish():
+        ck = ref()
+        if ck is not None and not ck._closed:
+            ck.wait()
+
+    register = getattr(threading, "_register_atexit", None) or atexit.register
+    register(finish)
+
+
 class Checkpointer:
     """Saves and restores train states in the per-layer format, under `directory`
     (keeps the newest `keep` steps). Orbax writes each step into a temporary directory
@@ -376,6 +399,8 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        self._closed = False
+        _finish_at_exit(self)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -388,6 +413,18 @@ class Checkpointer:
         """Saves `state` (per layer; each process writes the shards on its devices) and
         JSON-able `meta` as step `step`. Every process calls this. Asynchronous: the
         write finishes in the background (see `wait`)."""
+        if not isinstance(state, dict) or set(state) != {"variables", "opt_state"}:
+            raise ValueError(f"Checkpointer.save: state must be {{'variables': packed "
+                             f"variables, 'opt_state': the optimizer state (or ())}}, got "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}.")
+        newest = self.latest_step()
+        if newest is not None and int(step) <= newest:
+            # Orbax skips a step at or below its newest one without a word: a loop resumed
+            # from an older step lost every save up to the old newest.
+            raise CheckpointWriteError(
+                f"checkpoint: cannot save step {int(step)} in {self.directory}: step "
+                f"{newest} is there already and steps are kept in increasing order; save into "
+                f"a fresh directory, or move the steps from {int(step)} on away first.")
         portable = to_portable(pipe, state)
         meta = {**meta, "step": int(step), "processes": jax.process_count(),
                 "shapes": {p: list(shape) for p, shape in leaf_shapes(portable).items()},
@@ -497,4 +534,5 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._closed = True
             self._manager.close()

@@ -353,3 +353,39 @@ def test_a_metrics_file_cut_off_mid_line_does_not_block_the_resume(tmp_path):
     writer.close()
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert got == [json.loads(lines[0]), json.loads(lines[1]), {"step": 3, "train_loss": 0.5}]
+
+
+SAVE_AND_RETURN = '''
+import sys
+import flax.linen as nn, jax, jax.numpy as jnp
+import jaxhybrid as jh
+from jaxhybrid import checkpoint, pipeline as jp
+pipe = jp.Pipeline([nn.Dense(4), nn.Dense(4)], mesh=jh.make_mesh(data=1, pipe=2), boundaries=[1])
+v = pipe.init(jax.random.key(0), jnp.ones((2, 4)))
+ck = checkpoint.Checkpointer(sys.argv[1], keep=2)
+try:
+    ck.save(3, pipe, {"variables": v}, {})
+except ValueError as e:
+    print("NO OPT", e)
+ck.save(3, pipe, {"variables": v, "opt_state": ()}, {})
+try:
+    ck.save(2, pipe, {"variables": v, "opt_state": ()}, {})
+except checkpoint.CheckpointWriteError as e:
+    print("REFUSED", e)
+'''
+
+
+def test_a_save_is_finished_when_the_script_returns_and_an_older_step_is_refused(tmp_path):
+    """A script that saved and returned without wait() / close() exited 0 with only a
+    temporary step directory; a save of a step at or below the newest one wrote nothing
+    without a word (orbax skips it)."""
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_AND_RETURN)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], text=True,
+                         capture_output=True, timeout=240, cwd=tmp_path,
+                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NO OPT Checkpointer.save: state must be {'variables'" in out.stdout
+    assert re.search(r"REFUSED checkpoint: cannot save step 2 in .*: step 3 is there already", out.stdout)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["3"]
+    assert checkpoint.Checkpointer(tmp_path / "ck", keep=2).all_steps() == [3]
