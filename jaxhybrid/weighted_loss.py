@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhybrid.layers import loss_dtype
 
@@ -52,8 +53,9 @@ class WeightedMean(abc.ABC):
 def nonzero(weight):
     """`weight`, 1 where it is 0 (a batch of padding only: its total is 0 too). Not
     max(weight, 1): fractional weights (importance weights summing to 0.16) made the
-    weighted mean a weighted sum, its gradient 6x too small."""
-    return jnp.where(weight > 0, weight, 1)
+    weighted mean a weighted sum, its gradient 6x too small; nor 1 where it is below 0:
+    signed weights summing to -4 gave the total itself, not total / weight."""
+    return jnp.where(weight != 0, weight, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,19 @@ def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
     the whole batch's, so an update's step scaled with the other windows' weights)."""
     if not isinstance(loss_fn, WeightedMean):
         return loss_fn, targets
+    if type(loss_fn).__call__ is not WeightedMean.__call__:
+        # The step trains total / weight: an added term (a z-loss in __call__) was dropped.
+        raise ValueError(f"{type(loss_fn).__name__} overrides __call__, which a step does not "
+                         f"call: it trains total(outputs, targets) / weight(targets) over "
+                         f"the whole batch; put every term into total (summed over the "
+                         f"microbatch).")
+    rows = {np.shape(a)[0] for a in jax.tree.leaves(targets) if np.ndim(a)}
+    if len(rows) != 1 or not all(np.ndim(a) for a in jax.tree.leaves(targets)):
+        raise ValueError(f"{type(loss_fn).__name__}: targets need one leading batch dimension "
+                         f"on every leaf (its weight comes from them; the step cuts them "
+                         f"into microbatches), got {jax.tree.map(np.shape, targets)}; keep "
+                         f"constants in the loss itself.")
+    rows = rows.pop()
     weight = jnp.asarray(loss_fn.weight(targets), loss_dtype())
     if weight.shape != ():
         # One value per row (`jnp.sum(mask, axis=-1)`) was broadcast into per-row scales
@@ -85,7 +100,6 @@ def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
         raise ValueError(f"{type(loss_fn).__name__}.weight(targets) has shape {weight.shape}; "
                          f"a WeightedMean's weight is one number for the whole (micro)batch, "
                          f"e.g. jnp.sum(mask), not one per row.")
-    rows = jax.tree.leaves(targets)[0].shape[0]
     if windows == 1:
         return _Share(loss_fn), (targets, jnp.full((rows,), parts, loss_dtype()) / nonzero(weight))
     cut = lambda a: a.reshape(data, windows, rows // (data * windows), *a.shape[1:])

@@ -456,8 +456,8 @@ def test_bad_constructor_arguments_are_named():
     with pytest.raises(ValueError, match="topology='bogus'.*Grammar"):
         make(topology="bogus")
     # One bool per stage (not per layer): a TypeError from inside jax.checkpoint_policies.
-    with pytest.raises(ValueError, match=r"remat=\[True, False\] must be .* a list of 2 of "
-                                         r"those \(one per stage\), or a list of \d+ bools"):
+    with pytest.raises(ValueError, match=r"remat=\[True, False\] must be .* a list of 2 entries "
+                                         r"\(one per stage: .*\), or a list of \d+ bools"):
         make(remat=[True, False], boundaries=[1])
     # A policy factory's name was taken, then failed in the first step ("unexpected
     # keyword argument 'dimension_numbers'"), and the refusal listed the factories.
@@ -775,6 +775,36 @@ def test_a_weighted_mean_with_a_weight_per_row_is_refused():
     with pytest.raises(ValueError, match=r"has shape \(8,\)"):
         jp.reference_value_and_grad(DENSE, pipe.unpack(v), PerRow(), X, t, data=2,
                                     num_microbatches=2)
+
+
+def test_a_weighted_mean_of_signed_weights_is_total_over_weight():
+    # Weights summing to below 0 were divided by 1 (nonzero() kept weights above 0): the
+    # step gave the total where the docs say total / weight.
+    sign = jnp.where(jnp.arange(8)[:, None] < 6, -1.0, 1.0) * jnp.ones((8, 4))
+    t = {"y": Y, "mask": sign}
+    pipe, v = _dense_pipe()
+    out = _sequential(DENSE, pipe.unpack(v), X)
+    want = jnp.sum(sign * (out - Y) ** 2) / jnp.sum(sign)
+    loss, _, _ = pipe.value_and_grad(MaskedMSE())(v, X, t)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(MaskedMSE()(out, t)), float(want), rtol=1e-5)
+
+
+def test_a_weighted_means_own_call_or_targets_without_rows_are_refused():
+    # An overridden __call__ (a z-loss added there) was silently not trained; targets
+    # whose first leaf is a scalar, or None, failed with an IndexError.
+    class WithExtra(MaskedMSE):
+        def __call__(self, out, t):
+            return super().__call__(out, t) + jnp.mean(out ** 2)
+    pipe, v = _dense_pipe()
+    t = {"y": Y, "mask": jnp.ones_like(Y)}
+    with pytest.raises(ValueError, match=r"WithExtra overrides __call__, which a step does "
+                                         r"not call.*put every term into total"):
+        pipe.value_and_grad(WithExtra())(v, X, t)
+    for bad in ({"a": jnp.asarray(0.5), **t}, None):
+        with pytest.raises(ValueError, match=r"MaskedMSE: targets need one leading batch "
+                                             r"dimension on every leaf"):
+            pipe.value_and_grad(MaskedMSE())(v, X, bad)
 
 
 class _Moment(typing.NamedTuple):

@@ -1,6 +1,7 @@
 """A single Flax model (linen or NNX) split into pipeline pieces equals the unsplit model:
 loss, gradients (tied parameters summed) and new batch statistics, on several meshes and
 schedules; variables round-trip in the model's own tree; errors say what to fix."""
+import dataclasses
 import functools
 import warnings
 
@@ -707,3 +708,37 @@ def test_gpt_as_one_module_splits_as_well_as_its_layer_list():
     assert [r["stages"] for r in rows] == [4, 8]
     for r in rows:
         assert r["ratio"] <= 1.05, r
+
+
+@dataclasses.dataclass            # an ordinary dataclass: __hash__ is None
+class UnhashableMSE(jp.WeightedMean):
+    scale: float = 1.0
+
+    def total(self, out, t):
+        return self.scale * jnp.sum((out - t) ** 2)
+
+    def weight(self, t):
+        return jnp.asarray(t.size, jnp.float32)
+
+
+def test_an_unhashable_loss_object_trains_a_split_model_and_evaluates():
+    # The split model's loss check keyed a cache on the loss object: "unhashable type:
+    # 'UnhashableMSE'"; evaluation's jit took it as a static argument and failed alike.
+    from jaxhybrid.metrics import metric_sums
+    from jaxhybrid.models.from_module import LossOnlyMetrics
+    model, v = _native("skip")
+    x, t = _vectors(8)
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2,
+                       remat="none")
+    packed = pipe.init(jax.random.key(0), x)
+    packed = pipe.pack(v)
+    loss_fn = UnhashableMSE(2.0)
+    loss, grads, _ = pipe.value_and_grad(loss_fn)(packed, x, t)
+    want, g_want = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, x), t))(
+        v["params"])
+    _close(loss, want, "loss")
+    _close(pipe.unpack(grads)["params"], g_want, "gradients")
+    sums, count = metric_sums(LossOnlyMetrics(loss_fn), model.apply(v, x), t,
+                              jnp.ones(8, bool))
+    np.testing.assert_allclose(float(sums["loss"] / count), float(want), rtol=1e-5)
+    assert LossOnlyMetrics(loss_fn) == LossOnlyMetrics(loss_fn) != LossOnlyMetrics(UnhashableMSE())

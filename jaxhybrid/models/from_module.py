@@ -22,9 +22,10 @@ import numpy as np
 
 from jaxhybrid.models.spec import (ModelSpec, TokenLoss, TokenMetrics, classification_loss,
                                    classification_metrics)
+from jaxhybrid.checks import hashable
 from jaxhybrid.layers import LossError, check_loss_fn
 from jaxhybrid.splitter.trace import is_flax_module
-from jaxhybrid.weighted_loss import WeightedMean
+from jaxhybrid.weighted_loss import WeightedMean, nonzero
 
 # Built-in losses by name: (loss_fn, metrics_fn) from the dataset's info (pad_id).
 LOSSES = {
@@ -81,6 +82,8 @@ class WeightedEnoughScores(EnoughScores, WeightedMean):
     """EnoughScores of a WeightedMean (the classification and token losses), itself one:
     the step weighs the whole batch's labelled examples or tokens alike."""
 
+    __call__ = WeightedMean.__call__   # total / weight, as a step trains it (total checks)
+
     def total(self, outputs, targets):
         self._check(outputs)
         return self.loss_fn.total(outputs, targets)
@@ -89,19 +92,27 @@ class WeightedEnoughScores(EnoughScores, WeightedMean):
         return self.loss_fn.weight(targets)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LossOnlyMetrics:
-    """Metrics of a user loss: {"loss"} (frozen: equal losses hash equal). A
+    """Metrics of a user loss: {"loss"} (equal losses hash equal, an unhashable one by
+    identity: evaluation's jit takes it as a static argument). A
     `WeightedMean` is weighed by its weight, so eval_loss is its mean over the whole
     set as train_loss is over the batch (each row weighed 1, a masked token loss's
     eval_loss was the mean of the rows' token means: 3.84 where the loss said 1.71)."""
     loss_fn: Callable
 
+    def __hash__(self) -> int:
+        return hash(hashable(self.loss_fn))
+
+    def __eq__(self, other) -> bool:
+        return (type(other) is type(self)
+                and hashable(self.loss_fn) == hashable(other.loss_fn))
+
     def __call__(self, outputs, targets):
         if isinstance(self.loss_fn, WeightedMean):
             weight = jnp.asarray(self.loss_fn.weight(targets), jnp.float32)
             total = self.loss_fn.total(outputs, targets)
-            return {"loss": total / jnp.where(weight > 0, weight, 1), "count": weight}
+            return {"loss": total / nonzero(weight), "count": weight}
         return {"loss": self.loss_fn(outputs, targets)}
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.checks import hashable
 from jaxhybrid.layers import LossError
 from jaxhybrid.pipeline import packing
 from jaxhybrid.pipeline.arguments import TRAIN_STEP_CALL, one_microbatch, rng_hint
@@ -197,7 +198,7 @@ class ModelSplitter:
         # numpy batch to the device at each call, for its dtype only).
         mb = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             (np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a)), tree)
-        key = (loss_fn, str(mb(inputs)), str(mb(targets)))
+        key = (hashable(loss_fn), str(mb(inputs)), str(mb(targets)))
         if key in self._checked:
             return
         try:
