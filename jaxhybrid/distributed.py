@@ -125,6 +125,12 @@ def initialize(settings: Settings = Settings(), environ=os.environ) -> bool:
         heartbeat_timeout_seconds=resolved.heartbeat_timeout,
         shutdown_timeout_seconds=resolved.shutdown_timeout)
     exit_on_uncaught_error()
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM / Ctrl-C end this process at once, naming it, in any program: jax's
+        # preemption notifier caught SIGTERM and a user's script (not train.py, which
+        # installs this itself) went on, past `timeout` and SLURM's stop.
+        stop_on_signals()
     say_when_exit_waits(resolved.shutdown_timeout)
     check_devices_per_process()      # first: jax's allgather needs as many devices everywhere
     check_jax_settings_agree()
@@ -233,19 +239,42 @@ def exit_on_uncaught_error(_exit=os._exit) -> None:
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        import jax
-        print(f"distributed: process {jax.process_index()} stops on this error; the others "
-              f"stop when their launcher does or after --heartbeat_timeout",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        if jax.process_index() == 0 and jax.process_count() > 1:
-            # Process 0 hosts the coordination service: its exit aborts the others from
-            # C++. A check that fails on every process at once (other device counts)
-            # let some of them abort before printing their own line (CI: SIGABRT).
-            time.sleep(COORDINATOR_EXIT_GRACE_S)
-        _exit(1)
+        _stop_process(_exit)
 
     sys.excepthook = hook
+
+
+def _stop_process(_exit=os._exit) -> None:
+    """Ends this process of several at once (status 1), after a line saying so."""
+    import sys
+
+    import jax
+    print(f"distributed: process {jax.process_index()} stops on this error; the others "
+          f"stop when their launcher does or after --heartbeat_timeout",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if jax.process_index() == 0 and jax.process_count() > 1:
+        # Process 0 hosts the coordination service: its exit aborts the others from
+        # C++. A check that fails on every process at once (other device counts)
+        # let some of them abort before printing their own line (CI: SIGABRT).
+        time.sleep(COORDINATOR_EXIT_GRACE_S)
+    _exit(1)
+
+
+def exit_with_error(message: str, _exit=os._exit) -> None:
+    """Ends the program on an error it has named in one line (`message`): sys.exit on
+    one process; on several, printed and then ended at once as an uncaught error is
+    (`exit_on_uncaught_error`). A SystemExit on one process only (its checkpoint write
+    failed) ran jax.distributed's shutdown barrier: it waited there for the others,
+    themselves waiting in the next step's collective for it, silently for
+    --shutdown_timeout."""
+    import sys
+
+    import jax
+    if jax.process_count() == 1:
+        sys.exit(message)
+    print(message, file=sys.stderr, flush=True)
+    _stop_process(_exit)
 
 
 def is_main_process() -> bool:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxhybrid import data
+from jaxhybrid import data, distributed
 
 if TYPE_CHECKING:
     from jaxhybrid.train import Run
@@ -64,8 +64,13 @@ def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
     """Metrics over the test split (all of it, or the first `max_batches` batches):
     padded rows are dropped by the mask, examples weighed by the metrics' "count"."""
     totals, weight = {}, 0.0
-    batches = run.eval_batches()
-    for b, (inputs, targets, mask) in enumerate(itertools.islice(batches, max_batches or None)):
+    batches = itertools.islice(run.eval_batches(), max_batches or None)
+    for b in itertools.count():
+        batch = next(batches, None)
+        _check_streams_agree(batch is None, b)
+        if batch is None:
+            break
+        inputs, targets, mask = batch
         inputs, targets, mask = data.place_batch((inputs, targets, np.asarray(mask, bool)),
                                                  run.mesh)
         # A key in case the model draws in evaluation (a VAE's latent): one per batch.
@@ -76,6 +81,21 @@ def evaluate(run: Run, variables, max_batches: int = 0) -> dict:
             totals[k] = totals.get(k, 0.0) + float(v)
         weight += float(count)
     return {f"eval_{k}": v / (weight if weight > 0 else 1.0) for k, v in totals.items()}
+
+
+def _check_streams_agree(ended: bool, batches: int) -> None:
+    """On several processes, whether every evaluation stream ended together: one that
+    yielded fewer batches left the others in the next batch's collectives and itself in
+    the next step's, silently, for good. A ValueError (the same on every process)."""
+    if jax.process_count() == 1:
+        return
+    ends = distributed.allgather_json(bool(ended))
+    if any(ends) and not all(ends):
+        done = [i for i, e in enumerate(ends) if e]
+        raise ValueError(f"evaluation: the evaluation data of process(es) {done} ended after "
+                         f"{batches} batches, the other processes' went on; every process's "
+                         f"eval_data() must yield the same number of batches (or set "
+                         f"train.eval_steps to at most the fewest).")
 
 
 # --- metrics output -----------------------------------------------------------------

@@ -166,7 +166,7 @@ def main(argv):
         result = train.train_and_evaluate(config, workdir, launched=_LAUNCHED)
     except (train.ConfigError, train.TrainingDiverged, checkpoint.CheckpointMismatch,
             checkpoint.CheckpointWriteError, MemoryBudgetError) as e:
-        sys.exit(f"error: {e}")
+        distributed.exit_with_error(f"error: {e}")
     except KeyboardInterrupt as e:        # Ctrl-C or SIGTERM; the log names the step
         name = e.args[0] if e.args else "SIGINT"
         sys.stderr.write(f"stopped by {name}\n")
@@ -175,8 +175,9 @@ def main(argv):
         if jax.process_count() == 1:
             raise
         # A collective failed: usually another process died (its own output says why).
-        sys.exit(f"error: process {jax.process_index()}: {str(e).splitlines()[0]} (if "
-                 f"another process stopped, its output names the cause)")
+        distributed.exit_with_error(
+            f"error: process {jax.process_index()}: {str(e).splitlines()[0]} (if another "
+            f"process stopped, its output names the cause)")
     if main_process:
         # Significant digits: a learning rate of 1.5e-4 printed as 0.0001 with .4f.
         print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"

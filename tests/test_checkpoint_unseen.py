@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -229,6 +230,45 @@ def test_processes_started_with_different_flags_stop_with_one_error(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+FULL_ON_ONE = '''
+import errno, os, runpy, sys
+if os.environ["JAX_PROCESS_ID"] == "1":     # its disk full from the second save on
+    import orbax.checkpoint as ocp
+    save, calls = ocp.CheckpointManager.save, []
+    def full(self, *a, **k):
+        calls.append(1)
+        if len(calls) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, *a, **k)
+    ocp.CheckpointManager.save = full
+sys.argv = [{train!r}, *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+def test_an_error_on_one_process_stops_both_at_once(tmp_path):
+    """A checkpoint write failing on process 1 only: it printed its line, then waited in
+    jax.distributed's shutdown barrier, process 0 in the next step's collective, both
+    silently for --shutdown_timeout (300 s), and the launcher saw no exit. Now it exits
+    at once, naming the error, and the launcher stops the other."""
+    script = tmp_path / "full_on_one.py"
+    script.write_text(FULL_ON_ONE.format(train=str(ROOT / "scripts" / "train.py")))
+    args = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+            for k, v in SMALL.items()]
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=20", f"--script={script}", "--",
+           "--config=gpt_hybrid.py", f"--workdir={tmp_path / 'w'}", "--cache_dir=",
+           "--heartbeat_timeout=10", "--initialization_timeout=60", "--shutdown_timeout=200",
+           *args, "--config.train.steps=6"]
+    start = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert re.search(r"\[1\] error: checkpoint: writing to .* failed \(\[Errno 28\] No space", text), text[-3000:]
+    assert "[1] distributed: process 1 stops on this error" in text
+    assert time.time() - start < 150, text[-3000:]    # not the 200 s shutdown barrier
+
+
 HIDDEN = '''
 import os, runpy, sys
 if os.environ["JAX_PROCESS_ID"] == "1":    # a host whose own disk holds no checkpoint
@@ -389,3 +429,43 @@ def test_a_save_is_finished_when_the_script_returns_and_an_older_step_is_refused
     assert re.search(r"REFUSED checkpoint: cannot save step 2 in .*: step 3 is there already", out.stdout)
     assert sorted(os.listdir(tmp_path / "ck")) == ["3"]
     assert checkpoint.Checkpointer(tmp_path / "ck", keep=2).all_steps() == [3]
+
+
+UNEVEN_EVAL = '''
+import sys
+sys.path.insert(0, {root!r})
+from jaxhybrid import distributed
+distributed.initialize()
+import jax, numpy as np
+from jaxhybrid import config_flags, train
+me = jax.process_index()
+def batches(n):
+    rs = np.random.RandomState(0)
+    for _ in range(n):
+        x = rs.randint(0, 256, (8, 16)).astype(np.int32)
+        yield x, np.roll(x, -1, 1)
+def eval_data():      # process 1's stream is shorter
+    for x, y in batches(1 if me == 1 else 3):
+        yield x, y, np.ones(8, bool)
+config = config_flags.load_config("gpt_hybrid.py", {{
+    "model.size": "tiny", "mesh.data": 2, "mesh.pipe": 2, "train.steps": 2,
+    "train.batch_size": 8, "pipeline.num_microbatches": 2, "train.eval_steps": 0,
+    "train.eval_every": 1, "train.log_every": 1, "checkpoint.every": 0}})
+train.train_and_evaluate(config, {workdir!r}, train_data=lambda: batches(100),
+                         eval_data=eval_data)
+'''
+
+
+def test_evaluation_streams_of_other_lengths_stop_every_process_by_name(tmp_path):
+    """Process 1's eval_data() yielding fewer batches than process 0's: process 0 waited
+    in the next batch's collectives, process 1 in the next step's, silently, for good."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_EVAL.format(root=str(ROOT), workdir=str(tmp_path / "w")))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"),
+                          "--processes=2", "--devices_per_process=2", "--stop_grace_s=20",
+                          f"--script={script}", "--", "--heartbeat_timeout=10"],
+                         capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert out.returncode != 0
+    line = ("ValueError: evaluation: the evaluation data of process(es) [1] ended after 1 "
+            "batches, the other processes' went on")
+    assert line in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]

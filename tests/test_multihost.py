@@ -335,3 +335,42 @@ def test_the_default_config_waits_for_jax_distributed():
     assert r.returncode != 0   # the peer never joins
     assert "must be called before any JAX calls" not in out, out[-3000:]
     assert "Coordination" in out or "DEADLINE_EXCEEDED" in out, out[-3000:]
+
+
+OWN_SCRIPT = '''
+import sys, time
+sys.path.insert(0, {root!r})
+from jaxhybrid import distributed
+distributed.initialize(distributed.Settings(heartbeat_timeout=10, shutdown_timeout=30))
+print("ready", flush=True)
+time.sleep(120)
+print("still here", flush=True)
+'''
+
+
+def test_sigterm_stops_a_process_of_a_users_own_script_at_once(tmp_path):
+    """jax's preemption notifier caught SIGTERM (SLURM's and `timeout`'s stop) in a
+    script of one's own on several processes: it logged "SIGTERM caught" and went on."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import launch_local
+    finally:
+        sys.path.pop(0)
+    script = tmp_path / "own.py"
+    script.write_text(OWN_SCRIPT.format(root=str(ROOT)))
+    port = launch_local.free_port()
+    procs = [subprocess.Popen([sys.executable, "-u", str(script)], text=True,
+                              env=launch_local.process_env(os.environ, i, 2, 2, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        for line in procs[1].stdout:      # joined (gloo's lines come first)
+            if line.strip() == "ready":
+                break
+        procs[1].send_signal(15)
+        assert procs[1].wait(timeout=30) == 143
+        assert "process 1: stopped by SIGTERM" in procs[1].stdout.read()
+        assert procs[0].wait(timeout=90) != 0       # the other stops too, not after 120 s
+    finally:
+        for p in procs:
+            p.kill()
