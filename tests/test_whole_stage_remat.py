@@ -179,3 +179,40 @@ def test_a_plan_mixing_whole_stages_and_single_layers_runs_as_planned():
                                          r"\(2\.\.3\)"):
         jp.Pipeline(layers, mesh=mesh, num_microbatches=2, boundaries=[2, 4, 6],
                     remat=["full", [True] * 3, "none", "none"])
+
+
+class _Wide(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(8)(jnp.tanh(nn.Dense(self.width)(x))))
+
+
+def test_per_stage_remat_under_the_planners_cuts_is_planned_as_it_runs():
+    """remat=["full", "none"] with boundaries=None: the plan took per-layer flags from the
+    even split standing in before planning (layers 2-3 "recomputed" in stage 1, device
+    memory 16% low); a list of one stage's bools cannot follow cuts not yet chosen; a
+    policy stage blanked every other stage's recompute in the plan."""
+    layers = [_Wide(256)] * 3 + [_Wide(8)] * 5
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    mesh = jh.make_mesh(data=1, pipe=2)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=2, remat=["full", "none"])
+    pipe.init(jax.random.key(1), x)
+    (a, b), _ = pipe.ranges
+    assert [p.stage_remat for p in pipe.programs] == ["full", "none"]
+    assert pipe.plan.remat == [True] * b + [False] * (8 - b)
+    assert pipe.plan.pipeline_remat == ["full", [False] * (8 - b)]
+    fixed = jp.Pipeline(layers, mesh=mesh, num_microbatches=2, remat=["full", "none"],
+                        boundaries=pipe.plan.boundaries)
+    fixed.init(jax.random.key(1), x)
+    assert fixed.plan.device_memory == pipe.plan.device_memory
+    with pytest.raises(ValueError, match=r"remat lists some stages' own layers, but the planner "
+                                         r"chooses the cuts \(boundaries=None\): give boundaries="):
+        jp.Pipeline(layers, mesh=mesh, num_microbatches=2, remat=["full", [True] * 4])
+    policy = jp.Pipeline(layers, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=2,
+                         boundaries=[2, 4, 6],
+                         remat=["full", [True, False], "none", "dots_saveable"])
+    policy.init(jax.random.key(1), x)
+    assert policy.plan.whole_stage_remat == [True, False, False, False]
+    assert policy.plan.pipeline_remat == ["full", [True, False], [False, False], [False, False]]

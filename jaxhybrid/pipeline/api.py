@@ -132,6 +132,11 @@ class Pipeline(PipelinePlanning, PipelineVariables):
         # split stands in so the object is usable for pack/unpack of explicit layouts.
         self._needs_plan = boundaries is None or (remat == "auto" and memory_budget is not None)
         self._planner_cuts = boundaries is None
+        if (self._planner_cuts and isinstance(remat, (list, tuple)) and len(remat) == S
+                and any(is_layer_flags(r) for r in remat)):
+            raise ValueError("Pipeline: remat lists some stages' own layers, but the planner "
+                             "chooses the cuts (boundaries=None): give boundaries=, or one bool "
+                             "per layer, or per stage 'full' / 'none' / a policy.")
         self._set_layout(even_boundaries(L, S) if boundaries is None
                          else check_boundaries(boundaries, L, S), remat)
         if self.splitter is not None:

@@ -36,17 +36,15 @@ class PipelinePlanning:
             param_state_factor=self.param_state_factor)
 
     def _planned_remat(self) -> list | None:
-        """The user's remat as one bool per layer for the planner to predict (it reported
-        its own choice, nothing recomputed, whatever ran); None where the planner chooses
-        or a stage runs a jax.checkpoint policy (not modelled: counted as no remat)."""
+        """The user's per-layer recompute flags for the planner to predict (it reported
+        its own choice, nothing recomputed, whatever ran); None where the planner chooses.
+        A stage recomputed whole is `_planned_whole_stages` (make_plan marks its layers
+        for whatever cuts it picks: flags taken from the even split standing in before
+        planning described other stages than ran); a stage's jax.checkpoint policy is not
+        modelled and counts as none for that stage alone."""
         if isinstance(self.remat, str) and self.remat in ("auto", "none"):
             return None
-        out = []
-        for prog in self.programs:
-            if prog.stage_remat not in ("none", "full"):
-                return None
-            out += [prog.stage_remat == "full" or r for r in prog.layer_remat]
-        return out
+        return [bool(r) for prog in self.programs for r in prog.layer_remat]
 
     def _planned_whole_stages(self) -> list | None:
         """Per stage, recomputed whole from its input (a stage's remat "full"); None where
