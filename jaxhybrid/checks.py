@@ -10,6 +10,23 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def differentiable(dtype) -> bool:
+    """Whether values of `dtype` carry gradients: floating and complex ones. (Complex
+    activations once counted as constants: everything before a complex value crossing a
+    cut got a zero gradient, silently.)"""
+    import jax.numpy as jnp
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def is_float(x) -> bool:
+    """Whether a leaf (an array, an abstract value or a Python number) carries gradients.
+    jnp.result_type: a Python number among a layer's outputs has no .dtype (the engine,
+    then the planner's profile, failed on one as "'float' object has no attribute
+    'dtype'")."""
+    import jax.numpy as jnp
+    return differentiable(jnp.result_type(x))
+
+
 class _ById:
     """An unhashable object as a cache key: equal only to itself (and kept alive by the
     key, so its id cannot be reused while the key exists)."""

@@ -5,10 +5,10 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.boundaries import check_boundaries, even_boundaries, stage_ranges  # noqa: F401 (re-exported)
+from jaxhybrid.checks import differentiable, is_float  # noqa: F401 (re-exported)
 from jaxhybrid.layers import apply_layer, layer_rng, scalar_loss
 
 PyTree = Any
@@ -84,19 +84,6 @@ class StageProgram:
         elif self.stage_remat != "none":
             run = jax.checkpoint(run, policy=_policy(self.stage_remat))
         return run(params, state, x, rng)
-
-
-def differentiable(dtype) -> bool:
-    """Whether values of `dtype` carry gradients: floating and complex ones. (Complex
-    activations once counted as constants: everything before a complex value crossing a
-    cut got a zero gradient, silently.)"""
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def is_float(x) -> bool:
-    # jnp.result_type: a Python number among a layer's outputs has no .dtype (it failed
-    # as "'float' object has no attribute 'dtype'").
-    return differentiable(jnp.result_type(x))
 
 
 def split_float(tree: PyTree) -> tuple[list, list, list]:

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxhybrid.checks import is_float
 from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan.cost_cache import layer_signature, set_cache_dir  # noqa: F401
 from jaxhybrid.plan.layer_cost import (COST_FIELDS, LayerCost, cost_arrays, device_peak,  # noqa: F401
@@ -74,10 +75,10 @@ def _nbytes(tree) -> int:
 
 
 def float_bytes_by_dtype(tree) -> dict:
-    """{dtype name: bytes} of the floating (differentiable, `_is_float`) leaves of `tree`."""
+    """{dtype name: bytes} of the floating (differentiable, `is_float`) leaves of `tree`."""
     import jax
     out: dict = {}
-    for leaf in filter(_is_float, jax.tree.leaves(tree)):
+    for leaf in filter(is_float, jax.tree.leaves(tree)):
         name = np.dtype(leaf.dtype).name
         out[name] = out.get(name, 0) + _nbytes(leaf)
     return out
@@ -86,13 +87,6 @@ def float_bytes_by_dtype(tree) -> dict:
 def _count(tree) -> int:
     import jax
     return int(sum(int(np.prod(np.shape(l))) for l in jax.tree.leaves(tree)))
-
-
-def _is_float(x) -> bool:
-    # jnp.result_type: a Python number among a layer's outputs has no .dtype (the default
-    # planner's profile failed on one as "'float' object has no attribute 'dtype'").
-    import jax.numpy as jnp
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _xla_cost(compiled) -> tuple[float, float]:
@@ -313,7 +307,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
     # jaxpr inputs: params, float inputs (leaves `fidx`), state, every input leaf.
     n_p, n_s = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
     fidx = traced["float_inputs"]
-    y_float = [k for k, l in enumerate(jax.tree.leaves(y)) if _is_float(l)]
+    y_float = [k for k, l in enumerate(jax.tree.leaves(y)) if is_float(l)]
     io = stashed_io(closed, saved["vars"],
                      [(n_p + j, k) for j, k in enumerate(fidx)]
                      + [(n_p + len(fidx) + n_s + k, k) for k in range(len(x_leaves))], y_float)
@@ -330,7 +324,7 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                   param_by_dtype=float_bytes_by_dtype(params),
                   cross_values=split.get("cross_values", []),
                   largest_saved_by_dtype=dict(saved.get("largest", {})),
-                  param_values=whole_values(filter(_is_float, jax.tree.leaves(params))),
+                  param_values=whole_values(filter(is_float, jax.tree.leaves(params))),
                   weight_saved_by_dtype=split.get("weight_saved", {}), stashed_io=io,
                   **model_terms(layer, x, drop, diff_inputs, train=train,
                                 saved_bytes=int(saved.get("bytes", 0)),
@@ -375,7 +369,7 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
     # The function we differentiate: float outputs of the layer as a function of its
     # params and float inputs; integer leaves ride along as constants.
     x_leaves, x_def = jax.tree.flatten(x)
-    fidx = [k for k, l in enumerate(x_leaves) if _is_float(l)] if diff_inputs else []
+    fidx = [k for k, l in enumerate(x_leaves) if is_float(l)] if diff_inputs else []
 
     def f(p, xf, st, leaves):
         leaves = list(leaves)
@@ -383,7 +377,7 @@ def _forward_vjp(layer, x, drop, diff_inputs: bool, train: bool):
             leaves[k] = v
         yy, new_st = apply_layer(layer, {"params": p, **st}, jax.tree.unflatten(x_def, leaves),
                                  train=train, rng=drop)
-        return [l for l in jax.tree.leaves(yy) if _is_float(l)], new_st
+        return [l for l in jax.tree.leaves(yy) if is_float(l)], new_st
 
     traced = {"float_inputs": fidx}
 

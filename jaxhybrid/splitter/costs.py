@@ -29,9 +29,10 @@ import numpy as np
 import json
 import re
 
+from jaxhybrid.checks import is_float
 from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as plan_costs
-from jaxhybrid.plan.costs import LayerCost, _is_float, _xla_cost, device_peak, roofline_time
+from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
                                      stashed_bytes, stashed_io, whole_values)
 
@@ -57,7 +58,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         outs = t.y_ids if k == len(segs) - 1 else seg.live_out
         outs = [i for i in outs if i not in prog.consts]
         args = var_ids + in_ids
-        diff = [n for n, i in enumerate(args) if _is_float(prog.avals[i])
+        diff = [n for n, i in enumerate(args) if is_float(prog.avals[i])
                 and (k > 0 or i not in t.x_ids)]
 
         def fwd(*vals, _seg=seg, _args=args, _outs=outs):
@@ -72,7 +73,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                 full = list(vals)
                 for n, v in zip(_diff, d):
                     full[n] = v
-                return [y for y in _fwd(*full) if _is_float(y)]
+                return [y for y in _fwd(*full) if is_float(y)]
             ys, pull = jax.vjp(f, *[vals[n] for n in _diff])
             return pull([jnp.ones_like(y) for y in ys])
 
@@ -93,7 +94,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
         if sig not in seen:
             f_flops, f_bytes = _xla_cost(jax.jit(fwd).lower(*avals))
             b_flops = b_bytes = 0.0
-            if diff and any(_is_float(prog.avals[i]) for i in outs):
+            if diff and any(is_float(prog.avals[i]) for i in outs):
                 t_flops, t_bytes = _xla_cost(jax.jit(fwd_bwd).lower(*avals))
                 b_flops, b_bytes = max(t_flops - f_flops, 0.0), max(t_bytes - f_bytes, 0.0)
             seen[sig] = (f_flops, f_bytes, b_flops, b_bytes,
@@ -102,7 +103,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
                 cost_cache.write_text(disk, json.dumps(seen[sig]))
         f_flops, f_bytes, b_flops, b_bytes, res = seen[sig]
         if res is None:   # not traceable alone: every float value it makes, an upper bound
-            made = [o for u in seg.units for o in u.outs if _is_float(prog.avals[o])]
+            made = [o for u in seg.units for o in u.outs if is_float(prog.avals[o])]
             res = {**_NO_RESIDUALS, "saved": bytes_by_dtype([prog.avals[o] for o in made])}
         # The stashed values that are the piece's inputs or outputs, as program values,
         # and of those, what an earlier piece stashes too (the nearest one).
@@ -131,7 +132,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             cross_values=[list(v) for v in res["cross_values"]],
             largest_saved_by_dtype=dict(res["largest"]),
             param_values=whole_values(prog.avals[i] for i in params
-                                      if _is_float(prog.avals[i]))))
+                                      if is_float(prog.avals[i]))))
     return out
 
 
@@ -152,7 +153,7 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
     p_idx = [n for n in diff if n < num_vars]
     x_idx = [n for n in diff if n >= num_vars]
     rest_idx = [n for n in range(len(avals)) if n not in diff]
-    float_outs = [m for m, i in enumerate(outs) if _is_float(prog.avals[i])]
+    float_outs = [m for m, i in enumerate(outs) if is_float(prog.avals[i])]
     traced: dict = {}
 
     def forward_vjp(p, x, rest):
@@ -161,7 +162,7 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
             for idx, vals in ((p_idx, pp), (x_idx, xx), (rest_idx, rest)):
                 for n, v in zip(idx, vals):
                     full[n] = v
-            return [y for y in fwd(*full) if _is_float(y)]
+            return [y for y in fwd(*full) if is_float(y)]
         ys, pull = jax.vjp(f, list(p), list(x))
         known = list(p) + [v for n, v in zip(rest_idx, rest) if n < num_vars]
         traced["kept"] = [i for i, l in enumerate(jax.tree.leaves(pull))
