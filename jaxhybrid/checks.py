@@ -50,3 +50,29 @@ def hashable(obj):
     except TypeError:
         return _ById(obj)
     return obj
+
+
+def batch_size_of(tree, what: str, who: str = "Pipeline") -> int:
+    """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
+    from `who` naming the fix: a step cuts each leaf into microbatches along it (the
+    pipeline's inputs and targets, a `WeightedMean`'s targets)."""
+    import jax
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"{who}: {what} is empty (None, or a tree without arrays); "
+                         f"pass per-example arrays (a loss that ignores its targets: any "
+                         f"array with the batch's rows, e.g. np.zeros(batch_size)).")
+    if isinstance(tree, (list, tuple)) and all(isinstance(l, (bool, int, float, complex))
+                                               for l in leaves):
+        # To jax a nested list is a tree of scalars: "got ['None']" named no fix.
+        raise ValueError(f"{who}: {what} is a Python list of numbers; pass an array, "
+                         f"e.g. np.asarray({what}).")
+    batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
+    if len(batch) != 1 or None in batch:
+        raise ValueError(
+            f"{who}: every leaf of {what} needs the same leading batch dimension (it is "
+            f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
+            f"that is not per-example (a temperature, a table) as a constant"
+            + (" (the loss's: in loss_fn itself)" if what == "targets" else
+               ", e.g. in call_kwargs=") + ", or tile it to the batch.")
+    return batch.pop()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxhybrid import data, distributed
+from jaxhybrid import data
 
 if TYPE_CHECKING:
     from jaxhybrid.train import Run
@@ -89,7 +89,10 @@ def _check_streams_agree(ended: bool, batches: int) -> None:
     the next step's, silently, for good. A ValueError (the same on every process)."""
     if jax.process_count() == 1:
         return
-    ends = distributed.allgather_json(bool(ended))
+    from jax.experimental import multihost_utils
+    # One small collective per batch (allgather_json takes two: sizes, then bytes).
+    ends = [bool(e) for e in np.asarray(
+        multihost_utils.process_allgather(np.asarray(ended, np.bool_))).reshape(-1)]
     if any(ends) and not all(ends):
         done = [i for i, e in enumerate(ends) if e]
         raise ValueError(f"evaluation: the evaluation data of process(es) {done} ended after "

@@ -27,8 +27,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxhybrid.checks import batch_size_of
 from jaxhybrid.layers import loss_dtype
 
 
@@ -86,13 +86,7 @@ def per_part(loss_fn, targets, parts: int, *, data: int = 1, windows: int = 1):
                          f"call: it trains total(outputs, targets) / weight(targets) over "
                          f"the whole batch; put every term into total (summed over the "
                          f"microbatch).")
-    rows = {np.shape(a)[0] for a in jax.tree.leaves(targets) if np.ndim(a)}
-    if len(rows) != 1 or not all(np.ndim(a) for a in jax.tree.leaves(targets)):
-        raise ValueError(f"{type(loss_fn).__name__}: targets need one leading batch dimension "
-                         f"on every leaf (its weight comes from them; the step cuts them "
-                         f"into microbatches), got {jax.tree.map(np.shape, targets)}; keep "
-                         f"constants in the loss itself.")
-    rows = rows.pop()
+    rows = batch_size_of(targets, "targets", type(loss_fn).__name__)
     weight = jnp.asarray(loss_fn.weight(targets), loss_dtype())
     if weight.shape != ():
         # One value per row (`jnp.sum(mask, axis=-1)`) was broadcast into per-row scales

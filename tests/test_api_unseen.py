@@ -801,10 +801,11 @@ def test_a_weighted_means_own_call_or_targets_without_rows_are_refused():
     with pytest.raises(ValueError, match=r"WithExtra overrides __call__, which a step does "
                                          r"not call.*put every term into total"):
         pipe.value_and_grad(WithExtra())(v, X, t)
-    for bad in ({"a": jnp.asarray(0.5), **t}, None):
-        with pytest.raises(ValueError, match=r"MaskedMSE: targets need one leading batch "
-                                             r"dimension on every leaf"):
-            pipe.value_and_grad(MaskedMSE())(v, X, bad)
+    with pytest.raises(ValueError, match=r"MaskedMSE: every leaf of targets needs the same "
+                                         r"leading batch dimension.*in loss_fn itself"):
+        pipe.value_and_grad(MaskedMSE())(v, X, {"a": jnp.asarray(0.5), **t})
+    with pytest.raises(ValueError, match=r"MaskedMSE: targets is empty"):
+        pipe.value_and_grad(MaskedMSE())(v, X, None)
 
 
 class _Moment(typing.NamedTuple):

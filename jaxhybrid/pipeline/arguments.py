@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxhybrid import distributed
+from jaxhybrid.checks import batch_size_of
 from jaxhybrid.mesh import DATA, MODEL, PIPE
 from jaxhybrid.schedules import Schedule, make_schedule
 
@@ -129,30 +130,6 @@ def check_plan_matches(plan, schedule, num_microbatches: int, data: int, memory_
         raise ValueError(f"Pipeline: plan= runs the plan as is (made under memory_budget="
                          f"{plan.memory_budget}), so memory_budget={memory_budget!r} would be "
                          f"ignored; drop memory_budget, or drop plan= to plan under it.")
-
-
-def batch_size_of(tree: PyTree, what: str) -> int:
-    """The leading (batch) dimension that every leaf of `tree` shares, else a ValueError
-    naming the fix: the pipeline cuts each leaf into microbatches along it."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        raise ValueError(f"Pipeline: {what} is empty (None, or a tree without arrays); "
-                         f"pass per-example arrays (a loss that ignores its targets: any "
-                         f"array with the batch's rows, e.g. np.zeros(batch_size)).")
-    if isinstance(tree, (list, tuple)) and all(isinstance(l, (bool, int, float, complex))
-                                               for l in leaves):
-        # To jax a nested list is a tree of scalars: "got ['None']" named no fix.
-        raise ValueError(f"Pipeline: {what} is a Python list of numbers; pass an array, "
-                         f"e.g. np.asarray({what}).")
-    batch = {np.shape(l)[0] if np.ndim(l) else None for l in leaves}
-    if len(batch) != 1 or None in batch:
-        raise ValueError(
-            f"Pipeline: every leaf of {what} needs the same leading batch dimension (it is "
-            f"cut into microbatches along it), got {sorted(map(str, batch))}; pass a value "
-            f"that is not per-example (a temperature, a table) as a constant"
-            + (" (the loss's: in loss_fn itself)" if what == "targets" else
-               ", e.g. in call_kwargs=") + ", or tile it to the batch.")
-    return batch.pop()
 
 
 def checked_layers(layers) -> list:
