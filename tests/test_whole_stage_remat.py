@@ -75,6 +75,22 @@ def _lowered_bytes(pipe, variables, x, y):
     return compiled_bytes(pipe.value_and_grad(_mse).lower(variables, x, y, None).compile())
 
 
+def _assert_exact(pipe, layers, variables, x, y):
+    """The pipeline's loss and gradients against the layers run in sequence on one device."""
+    loss, grads, _ = pipe.value_and_grad(_mse)(variables, x, y, None)
+
+    def reference(per):
+        h = x
+        for lay, v in zip(layers, per):
+            h = lay.apply(v, h)
+        return _mse(h, y)
+
+    ref_loss, ref_grads = jax.value_and_grad(reference)(pipe.unpack(variables))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(pipe.unpack(grads)), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
 def test_pipeline_remat_full_is_planned_as_compiled():
     """A chain of Dense+tanh layers on 4 stages with remat="full": the plan's device memory
     within 15% of the compiled value_and_grad step (+2% here; the per-layer reading, every
@@ -121,19 +137,7 @@ def test_a_budget_only_whole_stages_meet_is_planned_and_run_with_them():
                        memory_budget=budget, boundaries=full.boundaries, param_state_factor=2)
     variables = pipe.init(jax.random.key(1), x)
     assert [p.stage_remat for p in pipe.programs] == ["full"] * 4
-    loss, grads, _ = pipe.value_and_grad(_mse)(variables, x, y, None)
-    per = pipe.unpack(variables)
-
-    def reference(per):
-        h = x
-        for layer, v in zip(layers, per):
-            h = layer.apply(v, h)
-        return _mse(h, y)
-
-    ref_loss, ref_grads = jax.value_and_grad(reference)(per)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(pipe.unpack(grads)), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    _assert_exact(pipe, layers, variables, x, y)
     assert _lowered_bytes(pipe, variables, x, y) <= budget
 
 
@@ -163,18 +167,7 @@ def test_a_plan_mixing_whole_stages_and_single_layers_runs_as_planned():
                                                       (False, False), (True, True)]
     assert pipe.plan.whole_stage_remat == [True, False, False, False]
     assert pipe.plan.pipeline_remat == ["full", [False, True], [False, False], [True, True]]
-    loss, grads, _ = pipe.value_and_grad(_mse)(variables, x, y, None)
-
-    def reference(per):
-        h = x
-        for lay, v in zip(layers, per):
-            h = lay.apply(v, h)
-        return _mse(h, y)
-
-    ref_loss, ref_grads = jax.value_and_grad(reference)(pipe.unpack(variables))
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(pipe.unpack(grads)), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+    _assert_exact(pipe, layers, variables, x, y)
     with pytest.raises(ValueError, match=r"remat\[1\] has 3 bools, stage 1 has 2 layers "
                                          r"\(2\.\.3\)"):
         jp.Pipeline(layers, mesh=mesh, num_microbatches=2, boundaries=[2, 4, 6],
@@ -216,3 +209,44 @@ def test_per_stage_remat_under_the_planners_cuts_is_planned_as_it_runs():
     policy.init(jax.random.key(1), x)
     assert policy.plan.whole_stage_remat == [True, False, False, False]
     assert policy.plan.pipeline_remat == ["full", [True, False], [False, False], [False, False]]
+
+
+def test_a_budget_met_by_recomputing_the_stage_that_sets_the_row_recomputes_only_it():
+    """The stash row every device holds is padded to the largest stage's: where the wide
+    first stage sets it, recomputing that stage whole meets the budget, and the narrow
+    stages keep their forward time (the fallback recomputed every stage whole)."""
+    mesh = jh.make_mesh(data=1, pipe=4)
+    x = jax.random.normal(jax.random.key(0), (512, 8))
+    y = jnp.zeros((512, 8))
+    layers = _chain(12, 64) + [nn.Dense(8)] + _chain(11, 8)
+    cuts = [12, 16, 20]
+    none = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, remat="none", boundaries=cuts,
+                       param_state_factor=2)
+    none_vars = none.init(jax.random.key(1), x)
+    costs = none._layer_costs()
+    first = [True] * 12 + [False] * 12
+    first_only = spmd_memory(costs, cuts, none.schedule, first,
+                             whole_stage=[True, False, False, False], param_state_factor=2)[1]
+    every = spmd_memory(costs, cuts, none.schedule, [True] * 24, whole_stage=[True] * 4,
+                        param_state_factor=2)[1]
+    per_layer = spmd_memory(costs, cuts, none.schedule, [True] * 24, param_state_factor=2)[1]
+    assert every < first_only < per_layer / 1.5   # the budget below needs a whole stage
+    budget = 1.05 * first_only
+    plan = make_plan(costs, num_stages=4, num_microbatches=4, schedule="1f1b",
+                     memory_budget=budget, boundaries=cuts, param_state_factor=2)
+    assert plan.whole_stage_remat == [True, False, False, False] and plan.remat == first
+    assert plan.device_memory <= budget
+    all_whole = make_plan(costs, num_stages=4, num_microbatches=4, schedule="1f1b",
+                          boundaries=cuts, param_state_factor=2, whole_stage_remat=[True] * 4)
+    assert plan.predicted_step_time < all_whole.predicted_step_time
+    with pytest.raises(MemoryBudgetError, match=r"Each stage recomputed whole from its input "
+                                                r"needs "):
+        make_plan(costs, num_stages=4, num_microbatches=4, schedule="1f1b",
+                  memory_budget=0.95 * every, boundaries=cuts, param_state_factor=2)
+
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, remat="auto",
+                       memory_budget=budget, boundaries=cuts, param_state_factor=2)
+    variables = pipe.init(jax.random.key(1), x)
+    assert [p.stage_remat for p in pipe.programs] == ["full", "none", "none", "none"]
+    _assert_exact(pipe, layers, variables, x, y)
+    assert _lowered_bytes(pipe, variables, x, y) < 0.6 * _lowered_bytes(none, none_vars, x, y)

@@ -178,16 +178,30 @@ def choose_remat_spmd(costs: Sequence[LayerCost], boundaries: Sequence[int], sch
 def whole_stages_within(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                         memory_budget: float | str, error: MemoryBudgetError,
                         **memory) -> tuple[list[bool], list[bool]]:
-    """(per-layer remat, whole-stage flags) with every stage recomputed whole from its
-    input (the runtime's stage-level remat="full"): the last resort where no per-layer
-    choice meets `memory_budget` (in a chain each recomputed layer still keeps its input:
-    96 x Dense(8)+tanh needed 321KB so, 115KB compiled recomputed by stages). Raises
-    `error` (the per-layer search's), saying what this needs, when it misses the budget
-    too. `memory`: `spmd_memory`'s keywords (param_state_factor, model, ...)."""
+    """(per-layer remat, whole-stage flags) with stages recomputed whole from their input
+    (the runtime's stage-level remat="full"): the last resort where no per-layer choice
+    meets `memory_budget` (in a chain each recomputed layer still keeps its input: 96 x
+    Dense(8)+tanh needed 321KB so, 115KB compiled recomputed by stages). The fewest
+    stages that fit, those keeping the most first: the stash row every device holds is
+    padded to the largest stage's, so recomputing the stage that sets it can be enough
+    (an early convolution's), and the others keep their forward time. Every stage when
+    no fewer fit; raises `error` (the per-layer search's), saying what that needs, when
+    it misses the budget too. `memory`: `spmd_memory`'s keywords (param_state_factor,
+    model, ...)."""
     L, S = len(costs), schedule.num_stages
+    budget = parse_bytes(memory_budget)
+    ranges = stage_ranges(boundaries, L)
+    kept = [sum(_kept_by_dtype(costs, a, b, np.zeros(L, bool)).values()) for a, b in ranges]
+    order = sorted(range(S), key=lambda s: -kept[s])
+    for k in range(1, S):
+        whole = [s in order[:k] for s in range(S)]
+        remat = [whole[s] for s, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        if spmd_memory(costs, boundaries, schedule, remat, whole_stage=whole,
+                       **memory)[1] <= budget:
+            return remat, whole
     need = spmd_memory(costs, boundaries, schedule, [True] * L, whole_stage=[True] * S,
                        **memory)[1]
-    if need > parse_bytes(memory_budget):
+    if need > budget:
         raise MemoryBudgetError(f"{error} Each stage recomputed whole from its input needs "
                                 f"{fmt_bytes(need)} per device, over the budget too.") from None
     return [True] * L, [True] * S
