@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxhybrid import checkpoint
+from jaxhybrid import portable
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -79,7 +79,7 @@ def weight_decay_mask(pipe, variables) -> dict:
     del variables
     masks = [jax.tree.map(lambda a: np.full(a.shape, len(a.shape) >= 2, a.dtype),
                           shapes.get("params", {})) for shapes in pipe.layer_shapes]
-    return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, masks))
+    return portable.pack_like_params(pipe, portable.whole_from_shard(pipe, masks))
 
 
 def norm_weights(pipe, variables):
@@ -91,7 +91,7 @@ def norm_weights(pipe, variables):
         weights = [jax.tree.map(lambda a, d: np.full(a.shape, 1.0 if d >= 0 else 1.0 / T, a.dtype),
                                 shapes.get("params", {}), pipe._dims(i, "params"))
                    for i, shapes in enumerate(pipe.layer_shapes)]
-        return checkpoint.pack_like_params(pipe, checkpoint.whole_from_shard(pipe, weights))
+        return portable.pack_like_params(pipe, portable.whole_from_shard(pipe, weights))
     if pipe.splitter is None:
         return None
     from jaxhybrid.splitter.pipeline_hooks import copy_weights

@@ -27,7 +27,7 @@ import optax
 from absl import logging
 from jax.sharding import NamedSharding
 
-from jaxhybrid import checkpoint, data, distributed, startup, step_memory, stopping
+from jaxhybrid import checkpoint, data, distributed, portable, startup, step_memory, stopping
 from jaxhybrid import workdir as workdir_
 from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
@@ -57,7 +57,7 @@ def _optimizer_init(pipe, t, params, masks):
     opt_init = async_weights.pipeline_optimizer(
         make_optimizer(t, *masks, updates_per_step=_updates_per_step(pipe)), pipe.schedule,
         pipe.num_microbatches).init
-    return opt_init, checkpoint.opt_state_shardings(pipe, jax.eval_shape(opt_init, params),
+    return opt_init, portable.opt_state_shardings(pipe, jax.eval_shape(opt_init, params),
                                                     params, zero=pipe.zero)
 
 

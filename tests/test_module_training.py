@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxhybrid import checkpoint, data, models, optim, train
+from jaxhybrid import data, models, optim, portable, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.config_flags import load_config
 
@@ -80,8 +80,8 @@ def test_module_run_follows_the_unsplit_model(tmp_path, monkeypatch):
     assert final["step"] == t.steps
     # Checkpoints hold the model's own variable tree (as model.init returns it).
     packed = run.pipe.pack(native)
-    portable = checkpoint._portable(run.pipe, {"variables": packed, "opt_state": ()}, host=True)
-    (entry,) = portable["layers"]
+    saved = portable._portable(run.pipe, {"variables": packed, "opt_state": ()}, host=True)
+    (entry,) = saved["layers"]
     assert jax.tree.structure(entry["variables"]) == jax.tree.structure(native)
     for a, b in zip(jax.tree.leaves(entry["variables"]), jax.tree.leaves(native)):
         np.testing.assert_array_equal(a, b)

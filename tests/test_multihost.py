@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, data, distributed, make_mesh, optim, train
+from jaxhybrid import checkpoint, data, distributed, make_mesh, optim, portable, train
 from jaxhybrid.config_flags import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -303,15 +303,15 @@ def assert_jitted_cut_equals_host_cut(config):
     tx = optim.make_optimizer(config.train, optim.weight_decay_mask(run.pipe, variables))
     state = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state["opt_state"] = jax.tree.map(lambda a: a + 1, state["opt_state"])   # not zeros
-    host = checkpoint.to_portable(run.pipe, state)
-    jitted = checkpoint._spread(run.pipe, functools.partial(checkpoint._portable, run.pipe))(state)
+    host = portable.to_portable(run.pipe, state)
+    jitted = portable._spread(run.pipe, functools.partial(portable._portable, run.pipe))(state)
     assert jax.tree.structure(host) == jax.tree.structure(jitted)
     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jitted)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(a, b)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    back = jax.jit(functools.partial(checkpoint._from_portable, run.pipe, abstract))(jitted)
-    for a, b in zip(jax.tree.leaves(checkpoint.from_portable(run.pipe, host, state)),
+    back = jax.jit(functools.partial(portable._from_portable, run.pipe, abstract))(jitted)
+    for a, b in zip(jax.tree.leaves(portable.from_portable(run.pipe, host, state)),
                     jax.tree.leaves(back)):
         np.testing.assert_array_equal(a, b)
     return state, host, back

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxhybrid as jh
-from jaxhybrid import checkpoint, optim, startup, train
+from jaxhybrid import optim, portable, startup, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as costs_mod
@@ -181,8 +181,8 @@ def test_weight_decay_mask_from_shapes_matches_the_unpacked_parameters():
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, boundaries=[2])
     variables = pipe.init(jax.random.key(0), np.ones((8, 16), np.float32))
     mask = optim.weight_decay_mask(pipe, variables)
-    per_layer = checkpoint.unpack_like_params(pipe, variables["params"])
-    expect = checkpoint.pack_like_params(pipe, [
+    per_layer = portable.unpack_like_params(pipe, variables["params"])
+    expect = portable.pack_like_params(pipe, [
         jax.tree.map(lambda a: np.full(a.shape, a.ndim >= 2, a.dtype), t) for t in per_layer])
     assert jax.tree.structure(mask) == jax.tree.structure(expect)
     for got, want in zip(jax.tree.leaves(mask), jax.tree.leaves(expect)):

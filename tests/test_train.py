@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, data, metrics, models, optim, train
+from jaxhybrid import checkpoint, data, metrics, models, optim, portable, train
 from jaxhybrid import pipeline as jp
 from jaxhybrid.config_flags import load_config
 
@@ -204,7 +204,7 @@ def _restore(config, ckpt_dir, step):
     assert meta["step"] == step and meta["layout"] == {
         "data": 2, "pipe": 4, "model": 1, "boundaries": [1, 2, 3], "schedule": "1f1b",
         "num_microbatches": 4, "updates_per_step": 1}
-    return checkpoint.to_portable(run.pipe, state)
+    return portable.to_portable(run.pipe, state)
 
 
 @pytest.fixture(scope="module")

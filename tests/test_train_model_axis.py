@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid import checkpoint, optim, train
+from jaxhybrid import checkpoint, optim, portable, train
 from jaxhybrid.config_flags import load_config
 
 # Both split a batch of 16 into the same 8 microbatches of 2 (dropout keys per microbatch).
@@ -86,7 +86,7 @@ def _portable(layout, ckpt_dir, step):
     tx = optim.make_optimizer(config(*layout).train, optim.weight_decay_mask(run.pipe, variables))
     template = {"variables": variables, "opt_state": tx.init(variables["params"])}
     state, meta = checkpoint.Checkpointer(ckpt_dir, keep=2).restore(run.pipe, template, step)
-    return checkpoint.to_portable(run.pipe, state), meta
+    return portable.to_portable(run.pipe, state), meta
 
 
 def test_checkpoints_move_between_model_degrees(runs, tmp_path):

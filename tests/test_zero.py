@@ -85,7 +85,7 @@ def test_zero_rejects_a_bad_level():
 def test_train_zero_follows_the_replicated_run(tmp_path):
     """scripts/train.py's loop (optimizer at jit level, global-norm clip on) with
     train.zero=1: the same losses, with every Adam slot sharded over "data"."""
-    from jaxhybrid import checkpoint, optim, train
+    from jaxhybrid import optim, portable, train
     from test_train import gpt_config, losses
     common = {"train.steps": 3, "checkpoint.every": 0, "train.eval_steps": 1}
     train.train_and_evaluate(gpt_config(4, 2, **common), tmp_path / "replicated")
@@ -99,5 +99,5 @@ def test_train_zero_follows_the_replicated_run(tmp_path):
     params = run.pipe.init(jax.random.key(0), run.sample_inputs)["params"]
     opt = jax.eval_shape(optim.make_optimizer(config.train).init, params)
     specs = [s.spec for s in jax.tree.leaves(
-        checkpoint.opt_state_shardings(run.pipe, opt, params, zero=True))]
+        portable.opt_state_shardings(run.pipe, opt, params, zero=True))]
     assert specs.count(jax.sharding.PartitionSpec("pipe", "data")) == 2 * len(params), specs
