@@ -208,7 +208,8 @@ def test_per_stage_remat_under_the_planners_cuts_is_planned_as_it_runs():
                          remat=["full", [True, False], "none", "dots_saveable"])
     policy.init(jax.random.key(1), x)
     assert policy.plan.whole_stage_remat == [True, False, False, False]
-    assert policy.plan.pipeline_remat == ["full", [True, False], [False, False], [False, False]]
+    assert policy.plan.pipeline_remat == ["full", [True, False], [False, False], "dots_saveable"]
+    assert policy.plan.remat[6:] == [False, False]   # priced as no recompute
 
 
 def test_a_budget_met_by_recomputing_the_stage_that_sets_the_row_recomputes_only_it():
@@ -250,3 +251,41 @@ def test_a_budget_met_by_recomputing_the_stage_that_sets_the_row_recomputes_only
     assert [p.stage_remat for p in pipe.programs] == ["full", "none", "none", "none"]
     _assert_exact(pipe, layers, variables, x, y)
     assert _lowered_bytes(pipe, variables, x, y) < 0.6 * _lowered_bytes(none, none_vars, x, y)
+
+
+def _tanh_count(pipe, variables, x, y):
+    return pipe.value_and_grad(_mse).lower(variables, x, y, None).as_text().count("stablehlo.tanh")
+
+
+def test_a_plan_runs_a_stages_checkpoint_policy_again():
+    """A stage under a jax.checkpoint policy: the plan held only bools and "full", so
+    `Pipeline(plan=pipe.plan)` ran that stage without recompute, silently. A policy given
+    as the object is taken by its name; "auto" for one stage is refused by what it is."""
+    mesh = jh.make_mesh(data=1, pipe=2)
+    x = jax.random.normal(jax.random.key(0), (64, 8))
+    y = jnp.zeros((64, 8))
+    layers = _chain(8, 8)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, boundaries=[4],
+                       remat=["none", jax.checkpoint_policies.dots_saveable])
+    variables = pipe.init(jax.random.key(1), x)
+    assert [p.stage_remat for p in pipe.programs] == ["none", "dots_saveable"]
+    plan = Plan.from_json(pipe.plan.to_json())
+    assert plan.stage_policy == [None, "dots_saveable"]
+    assert plan.pipeline_remat == [[False] * 4, "dots_saveable"]
+    assert "stage 1 runs under jax.checkpoint policy 'dots_saveable'" in plan.summary()
+    again = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, plan=plan)
+    again_vars = again.init(jax.random.key(1), x)
+    assert [p.stage_remat for p in again.programs] == ["none", "dots_saveable"]
+    plain = jp.Pipeline(layers, mesh=mesh, num_microbatches=4, boundaries=[4], remat="none")
+    plain_vars = plain.init(jax.random.key(1), x)
+    # Stage 1 recomputes its four tanh layers' forward in the backward.
+    assert (_tanh_count(again, again_vars, x, y)
+            == _tanh_count(pipe, variables, x, y) == _tanh_count(plain, plain_vars, x, y) + 4)
+    _assert_exact(again, layers, again_vars, x, y)
+    with pytest.raises(ValueError, match=r"remat 'auto' is for the whole pipeline .* not for "
+                                         r"one stage"):
+        jp.Pipeline(layers, mesh=mesh, boundaries=[4], remat=["auto", "none"])
+    mine = jax.checkpoint_policies.save_only_these_names("h")
+    with pytest.raises(ValueError, match=r"a policy the pipeline cannot name .* give a name "
+                                         r"such as 'dots_saveable'"):
+        jp.Pipeline(layers, mesh=mesh, boundaries=[4], remat=[mine, "none"])

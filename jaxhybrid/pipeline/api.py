@@ -26,7 +26,8 @@ from jaxhybrid.pipeline.arguments import (batch_size_of, call_hint, check_plan_i
 from jaxhybrid.pipeline.planning import PipelinePlanning
 from jaxhybrid.pipeline.variables import PipelineVariables
 from jaxhybrid.pipeline.stages import (StageProgram, check_boundaries, check_stage_remat,
-                                       even_boundaries, is_layer_flags, stage_ranges)
+                                       even_boundaries, is_layer_flags, policy_by_name,
+                                       stage_ranges)
 from jaxhybrid.schedules import Schedule, forward_schedule
 from jaxhybrid.schedules.asynchronous import synchronous_view, updates_per_call
 from jaxhybrid.weighted_loss import per_part
@@ -81,6 +82,9 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                  call_kwargs: dict | None = None, sample_inputs: PyTree = None,
                  zero: int = 0):
         from jaxhybrid.splitter.pipeline_hooks import for_pipeline   # one model -> pieces
+        remat = policy_by_name(remat)
+        if isinstance(remat, (list, tuple)):
+            remat = [policy_by_name(r) for r in remat]
         self.splitter, layers = for_pipeline(layers, mesh, call_kwargs, sample_inputs,
                                              num_microbatches)
         if self.splitter is not None:

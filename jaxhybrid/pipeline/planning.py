@@ -26,7 +26,7 @@ class PipelinePlanning:
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
         from jaxhybrid.plan.calibration import stored_hardware
         costs = self._layer_costs() if costs is None else costs
-        return planner.make_plan(
+        plan = planner.make_plan(
             costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
             schedule=self.schedule, data=self.data, topology=self.topology,
             memory_budget=self.memory_budget if self.remat == "auto" else None,
@@ -34,6 +34,11 @@ class PipelinePlanning:
             zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
             remat=self._planned_remat(), whole_stage_remat=self._planned_whole_stages(),
             param_state_factor=self.param_state_factor)
+        policies = [p.stage_remat if p.stage_remat not in ("none", "full") else None
+                    for p in self.programs]
+        if any(policies):   # not modelled, but run again by Pipeline(plan=...)
+            plan.stage_policy = policies
+        return plan
 
     def _planned_remat(self) -> list | None:
         """The user's per-layer recompute flags for the planner to predict (it reported

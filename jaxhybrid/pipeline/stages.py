@@ -27,6 +27,11 @@ def _is_policy(policy) -> bool:
 
 
 def _policy(name: str):
+    if name == "auto":
+        raise ValueError("remat 'auto' is for the whole pipeline (remat='auto' with a "
+                         "memory_budget: the planner chooses every stage's recompute), not "
+                         "for one stage; per stage give 'none', 'full', a "
+                         "jax.checkpoint_policies name or that stage's bools, one per layer.")
     policy = getattr(jax.checkpoint_policies, name, None) if isinstance(name, str) else None
     if policy is None or name.startswith("_") or not _is_policy(policy):
         names = [n for n in dir(jax.checkpoint_policies)
@@ -37,6 +42,23 @@ def _policy(name: str):
                          f"jax.checkpoint_policies policy{made}; the policies: "
                          f"{', '.join(names)}.")
     return policy
+
+
+def policy_by_name(remat):
+    """`remat` with a jax.checkpoint_policies policy given as the object
+    (`jax.checkpoint_policies.dots_saveable`) replaced by its name, as a stage's setting
+    and a plan hold it; anything else unchanged. A policy of the user's own (made from
+    names, or a function) cannot be saved in a plan: refused, naming what to do."""
+    if isinstance(remat, (str, bool, np.bool_)) or not callable(remat):
+        return remat
+    names = [n for n in dir(jax.checkpoint_policies)
+             if not n.startswith("_") and getattr(jax.checkpoint_policies, n) is remat]
+    if names:   # the documented name before an old alias (checkpoint_dots = dots_saveable)
+        return min(names, key=lambda n: (n.startswith("checkpoint_"), n))
+    raise ValueError(f"remat {remat!r} is a policy the pipeline cannot name (a plan saves "
+                     f"a stage's policy by its jax.checkpoint_policies name); give a name "
+                     f"such as 'dots_saveable', or apply jax.checkpoint with your policy "
+                     f"inside the layer.")
 
 
 def check_stage_remat(choice: str) -> str:

@@ -72,6 +72,10 @@ class Plan:
     # Per stage, recomputed whole from its input (the runtime's stage-level remat="full":
     # its layers' remat entries are True too; None: no stage).
     whole_stage_remat: list[bool] | None = None
+    # Per stage, the jax.checkpoint_policies name it runs under (None: none; the memory
+    # and time models price such a stage as not recomputed). Held so that
+    # `Pipeline(plan=...)` runs it again (the policy was dropped, silently).
+    stage_policy: list | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -95,7 +99,7 @@ class Plan:
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
         for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu",
-                  "whole_stage_remat"):
+                  "whole_stage_remat", "stage_policy"):
             if getattr(self, f) is not None and len(getattr(self, f)) != S:
                 raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
 
@@ -107,13 +111,14 @@ class Plan:
     @property
     def pipeline_remat(self) -> list:
         """The plan's recomputation as `Pipeline(remat=...)` takes it: one bool per layer,
-        or, with stages recomputed whole (`whole_stage_remat`), per stage "full" or that
-        stage's per-layer bools."""
+        or, with stages recomputed whole (`whole_stage_remat`) or under a policy
+        (`stage_policy`), per stage "full", the policy's name or that stage's bools."""
         whole = self.whole_stage_remat or [False] * self.num_stages
-        if not any(whole):
+        policy = self.stage_policy or [None] * self.num_stages
+        if not any(whole) and not any(policy):
             return [bool(r) for r in self.remat]
-        return ["full" if w else [bool(r) for r in self.remat[a:b]]
-                for (a, b), w in zip(self.stage_ranges, whole)]
+        return ["full" if w else p if p else [bool(r) for r in self.remat[a:b]]
+                for (a, b), w, p in zip(self.stage_ranges, whole, policy)]
 
     @property
     def stage_time(self) -> np.ndarray:
@@ -209,6 +214,10 @@ class Plan:
                 f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
                 f"{'whole' if (self.whole_stage_remat or [0] * S)[s] else sum(self.remat[a:b]):>5}"
                 f"  {devs}")
+        for s, name in enumerate(self.stage_policy or ()):
+            if name:
+                lines.append(f"  stage {s} runs under jax.checkpoint policy {name!r} (not "
+                             f"modelled: its time and memory are priced as no recompute)")
         lines.append(f"bottleneck {1e3 * self.bottleneck_time:.3f} ms/microbatch; predicted step "
                      f"{1e3 * self.predicted_step_time:.3f} ms; bubble {self.bubble_fraction:.3f}; "
                      f"boundaries {self.boundaries}")
