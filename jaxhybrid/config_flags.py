@@ -11,10 +11,12 @@ adding a field nobody reads.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
 import sys
+import traceback
 from typing import Any, Mapping
 
 import ml_collections
@@ -72,14 +74,53 @@ def resolve_config_path(name_or_path: str) -> str:
                      f"available: {', '.join(available_configs()) or 'none'}.")
 
 
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or run; one line naming the file (and line)."""
+
+
+@contextlib.contextmanager
+def config_file_errors(file: str):
+    """Turns what a config file raises while it loads and runs get_config() into one
+    ConfigFileError line: what and where (a syntax error or the user's own exception
+    ended train.py and plan.py in a 27-58 line traceback)."""
+    try:
+        yield
+    except ConfigFileError:
+        raise
+    except SyntaxError as e:
+        raise ConfigFileError(f"{file}:{e.lineno}: {e.msg}; fix the config file's "
+                              f"syntax.") from None
+    except AttributeError as e:
+        if "get_config" in str(e):   # ml_collections' loader calls it unchecked
+            raise ConfigFileError(_no_get_config(file)) from None
+        raise ConfigFileError(_raised(file, e)) from None
+    except Exception as e:   # noqa: BLE001  (get_config raised; ml_collections re-raises
+        # TypeError / ValueError with the whole traceback in the message)
+        raise ConfigFileError(_raised(file, e.__context__ if isinstance(
+            e, (TypeError, ValueError)) and str(e).startswith("Error whilst parsing")
+            and e.__context__ else e)) from None
+
+
+def _no_get_config(file: str) -> str:
+    return (f"config file {file} has no get_config() function; define get_config() "
+            f"returning an ml_collections.ConfigDict (examples in {CONFIG_DIR}).")
+
+
+def _raised(file: str, error: BaseException) -> str:
+    """What get_config() raised, at the innermost line of the config file itself."""
+    where = [f for f in traceback.extract_tb(error.__traceback__)
+             if os.path.abspath(f.filename) == os.path.abspath(file)]
+    at = f"{file}:{where[-1].lineno}" if where else file
+    return f"{at}: get_config() raised {type(error).__name__}: {error}; fix the config file."
+
+
 def _load_module(path: str):
     module_name = "jaxhybrid_config_" + pathlib.Path(path).stem
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "get_config", None)):
-        raise ValueError(f"config file {path} has no get_config() function; define "
-                         f"get_config() returning an ml_collections.ConfigDict.")
+        raise ConfigFileError(_no_get_config(path))
     return module
 
 
@@ -166,7 +207,8 @@ def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None
     {"train.steps": 10, "model.size": "tiny", "mesh": {"data": 4, "pipe": 2}} (a dict
     value for a group sets the keys it names, nothing else)."""
     path = resolve_config_path(name_or_path)
-    config = _load_module(path).get_config()
+    with config_file_errors(path):
+        config = _load_module(path).get_config()
     if not isinstance(config, ml_collections.ConfigDict):
         raise ValueError(f"config file {path}: get_config() returned "
                          f"{type(config).__name__}; return an ml_collections.ConfigDict.")
@@ -195,7 +237,10 @@ class _ResolvingParser(_ml_impl.ConfigFileFlagParser):
         if not isinstance(path, str):
             return path   # already a config (e.g. a default set programmatically)
         name, colon, arg = path.partition(":")
-        return open_model_options(super().parse(resolve_config_path(name) + colon + arg))
+        file = resolve_config_path(name)
+        with config_file_errors(file):
+            config = super().parse(file + colon + arg)
+        return open_model_options(config)
 
 
 class _CheckedConfigFlag(_ml_impl._ConfigFlag):  # pylint: disable=protected-access

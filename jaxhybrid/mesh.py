@@ -67,7 +67,7 @@ def make_mesh(data: int = -1, pipe: int = 1, devices: Sequence[jax.Device] | Non
         if data * pipe > n:
             raise ValueError(
                 f"make_mesh: data={data} x pipe={pipe} = {data * pipe} devices, but only {n} "
-                f"are available; use sizes whose product is {n} (or pass devices=...).")
+                f"are available; use sizes whose product is at most {n} (or pass devices=...).")
         devices = devices[: data * pipe]
     grid = np.array(devices, dtype=object).reshape(data, pipe)
     return Mesh(grid, (DATA, PIPE), axis_types=(AxisType.Auto, AxisType.Auto))

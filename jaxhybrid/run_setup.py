@@ -249,6 +249,12 @@ def _model_spec(config, train_data=None) -> models.ModelSpec:
     by import path, split by the pipeline; it needs `data.name` or `train_data`)."""
     m = config.model
     if m.module is None:
+        # The reverse of the check below: these were ignored silently (a run given
+        # --config.model.loss=mine:fn trained with the built-in model's own loss).
+        require(m.loss is None and not m.kwargs.to_dict(),
+                f"model.loss / model.kwargs are for model.module (one Flax module by import "
+                f"path); model.name={m.name!r} is built from model.size and model.overrides "
+                f"(its loss is its own): pass them there, or give model.module.")
         return models.get_model(m.name, m.size, **m.overrides.to_dict())
     from jaxhybrid.models import from_module
     require(not m.name, f"model.name={m.name!r} and model.module={m.module!r} are both set; "

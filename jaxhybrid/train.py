@@ -191,10 +191,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         try:
             ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
         except OSError as e:   # where os.access says yes but mkdir fails (/proc, some mounts)
-            raise ConfigError(f"workdir: cannot create {workdir / 'checkpoints'} "
-                              f"({e.strerror or e}); pass a --workdir this process can "
-                              f"write to.") from None
+            raise workdir_.cannot_create(workdir / "checkpoints", e) from None
         _check_processes_see_one_checkpoint(ckpt)
+        if (ckpt.latest_step() or 0) > config.train.steps:
+            # It restored, evaluated and rewrote config.json with the smaller count.
+            raise ConfigError(f"train.steps={config.train.steps}, but {workdir} holds a run "
+                              f"at step {ckpt.latest_step()}; raise train.steps to train on, "
+                              f"or use another --workdir.")
         begun = _begin(run, config, phases, main, ckpt)
         if main:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))

@@ -24,14 +24,23 @@ from jaxhybrid.run_setup import ConfigError, require
 LOCK_NAME = ".lock"
 
 
+def cannot_create(path: pathlib.Path, error: OSError) -> ConfigError:
+    """The ConfigError for a workdir file or folder that cannot be made."""
+    return ConfigError(f"workdir: cannot create {path} ({error.strerror or error}); pass a "
+                       f"--workdir this process can write to.")
+
+
 class Lock:
     """An exclusive lock on `workdir` for this process (process 0 of a run takes it);
     ConfigError naming the holder when another run holds it."""
 
     def __init__(self, workdir: pathlib.Path):
-        workdir.mkdir(parents=True, exist_ok=True)
         self.path = workdir / LOCK_NAME
-        self._file = open(self.path, "a+")
+        try:   # os.access says yes for root where mkdir fails (/proc, some mounts)
+            workdir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a+")
+        except OSError as e:
+            raise cannot_create(self.path, e) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -112,6 +112,9 @@ def main(argv):
                              f".png (or no suffix: .png is added).")
         if FLAGS.plot:
             check_chart_path(FLAGS.plot, "--plot")
+        if FLAGS.json and os.path.isdir(FLAGS.json):   # "Is a directory", after planning
+            raise ValueError(f"--json={FLAGS.json} is a folder; give a file name in it, e.g. "
+                             f"{os.path.join(FLAGS.json, 'plan.json')!r}.")
         config = build_config()
         plan, costs = plan_from_config(config, topology=FLAGS.topology,
                                        memory_budget=FLAGS.memory_budget,
@@ -122,6 +125,12 @@ def main(argv):
           f"data={config.mesh.data} x pipe={config.mesh.pipe}, "
           f"M={config.pipeline.num_microbatches}, batch {config.train.batch_size}")
     print(plan.summary())
+    import jax
+    need = config.mesh.data * config.mesh.pipe
+    if not FLAGS.topology and need > jax.device_count():   # planned, but not for this host
+        print(f"note: this plan is for {need} devices (data {config.mesh.data} x pipe "
+              f"{config.mesh.pipe}); this host has {jax.device_count()}, so train.py cannot "
+              f"run it here (--topology plans for another machine and its links).")
     try:   # the plan first: a chart that cannot be written does not lose it
         if FLAGS.json:
             with open(FLAGS.json, "w") as f:

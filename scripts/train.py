@@ -70,6 +70,8 @@ DEFAULT_CONFIG = "inception_hybrid.py"
 _CONFIG = config_flags.define_config_flag("config", default=None, help_string=(
     f"config file, or a name in configs/ ({', '.join(config_flags.available_configs())}); "
     f"default {DEFAULT_CONFIG}; override fields with --config.train.steps=10 etc."))
+flags.declare_key_flag("config")   # listed by --help (defined in jaxhybrid.config_flags)
+flags.FLAGS["config"].default_as_str = repr(DEFAULT_CONFIG)   # added by _parse_flags
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: "
                                "/tmp/jaxhybrid/<config name>)")
 _CACHE_DIR = flags.DEFINE_string(
@@ -141,8 +143,12 @@ def _quiet_orbax(record) -> bool:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if len(argv) > 1:   # app.UsageError printed the whole --help page first
+        sys.exit(f"error: unexpected arguments {argv[1:]}; every setting is a flag "
+                 f"(--name=value, --config.<field>=value; --help lists them).")
+    if _WORKDIR.value == "":
+        sys.exit("error: --workdir= is empty; give a directory, or leave the flag out for "
+                 "/tmp/jaxhybrid/<config name>.")
     logging.get_absl_handler().addFilter(_quiet_orbax)
     import jax
     main_process = distributed.is_main_process()

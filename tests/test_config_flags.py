@@ -89,6 +89,29 @@ def test_flag_with_missing_config_or_unknown_key_is_a_flag_error(monkeypatch):
         _parse(argv)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("def get_config(:\n", r"broken.py:1: invalid syntax; fix the config file's syntax\.$"),
+    ("x = 1\n", r"broken.py has no get_config\(\) function; define get_config\(\)"),
+    ("def get_config():\n    return undefined\n",
+     r"broken.py:2: get_config\(\) raised NameError: name 'undefined' is not defined"),
+    ("def get_config():\n    raise ValueError('bad width')\n",
+     r"broken.py:2: get_config\(\) raised ValueError: bad width; fix the config file\.$"),
+])
+def test_a_config_file_that_fails_to_run_is_one_line_naming_where(tmp_path, monkeypatch,
+                                                                    text, message):
+    """A syntax error, no get_config or get_config raising ended train.py and plan.py in
+    27-58 lines of traceback (ml_collections' own parser and our loader alike)."""
+    path = tmp_path / "broken.py"
+    path.write_text(text)
+    with pytest.raises(config_flags.ConfigFileError, match=message) as e:
+        load_config(str(path))
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(sys, "argv", ["prog", f"--config={path}"])
+    with pytest.raises(flags.IllegalFlagValueError, match=message) as e:
+        _parse([f"--config={path}"])
+    assert "\n" not in str(e.value)
+
+
 def test_any_model_option_can_be_overridden_by_its_own_key(monkeypatch):
     # gpt_hybrid.py names only dropout_rate: num_heads was "unknown key" (the whole-dict
     # form --config.model.overrides="{...}" was the only way, and dropped dropout_rate).

@@ -119,8 +119,23 @@ def test_a_folder_for_the_chart_is_refused_and_the_plan_kept(tmp_path):
             "--microbatches=2", "--batch_size=8"]
     r = _run(*tiny, f"--plot={tmp_path}{os.sep}")
     assert r.returncode != 0 and "is a folder" in r.stderr
+    # A folder for the JSON failed with "[Errno 21] Is a directory" after planning.
+    r = _run(*tiny, f"--json={tmp_path}", "--plot=")
+    assert r.returncode != 0 and "--json=" in r.stderr and "is a folder" in r.stderr
+    assert "bottleneck" not in r.stdout
     assert not list(tmp_path.iterdir())
     js = tmp_path / "p.json"
     r = _run(*tiny, f"--json={js}", "--plot=/proc/p.png")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:")
     assert Plan.from_json(js.read_text()).num_stages == 2
+
+
+def test_a_plan_for_more_devices_than_the_host_says_so():
+    # Planned for 16 devices on an 8-device host without a word; train.py refuses the mesh.
+    r = _run("--model=gpt", "--size=tiny", "--stages=4", "--data=4", "--microbatches=2",
+             "--batch_size=16", "--plot=")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: this plan is for 16 devices (data 4 x pipe 4); this host has" in r.stdout
+    r = _run("--model=gpt", "--size=tiny", "--stages=2", "--data=1", "--microbatches=2",
+             "--batch_size=8", "--plot=")
+    assert r.returncode == 0 and "note:" not in r.stdout

@@ -340,9 +340,25 @@ def test_make_plan_accepts_numpy_ints_and_more_stages_than_layers_is_named():
     with pytest.raises(ValueError, match="7 stages but only 6 layers"):
         make_plan(costs, num_stages=7, num_microbatches=4)
     # Virtual stages: named in the caller's terms (partition said "8 stages", for 4).
+    # zbv always runs two stages per device: "fewer virtual stages" could not be followed.
     with pytest.raises(ValueError, match=r"4 devices x 2 stages each \(zbv\) = 8 stages but "
-                                         r"only 6 layers; use fewer virtual stages"):
+                                         r"only 6 layers; use a schedule with one stage per "
+                                         r"device, fewer pipeline stages"):
         make_plan(costs, num_stages=4, num_microbatches=4, schedule="zbv")
+    with pytest.raises(ValueError, match=r"4 devices x 2 stages each \(interleaved\) = 8 "
+                                         r"stages but only 6 layers; use fewer virtual stages"):
+        make_plan(costs, num_stages=4, num_microbatches=4, schedule="interleaved")
+    import flax.linen as nn
+    import jaxhybrid as jh
+    from jaxhybrid import pipeline as jp
+    mesh = jh.make_mesh(data=1, pipe=4)
+    with pytest.raises(ValueError, match=r"8 stages \(4 devices x 2 virtual\) but only 6 "
+                                         r"layers; use a mesh with pipe <= 3 or a schedule "
+                                         r"with one stage per device \(zbv runs 2\)"):
+        jp.Pipeline([nn.Dense(4) for _ in range(6)], mesh=mesh, schedule="zbv")
+    with pytest.raises(ValueError, match=r"pipe <= 3 or fewer virtual stages, "):
+        jp.Pipeline([nn.Dense(4) for _ in range(6)], mesh=mesh, schedule="interleaved",
+                    virtual_stages=2)
 
 
 def test_plan_from_config_checks_before_profiling(monkeypatch):

@@ -55,7 +55,7 @@ def run_script(workdir, *flags):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=gpt_hybrid.py", *flags,
-           f"--workdir={workdir}", "--cache_dir="]
+           *([f"--workdir={workdir}"] if "--workdir=" not in flags else []), "--cache_dir="]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -210,6 +210,51 @@ def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
                                                 r"\(Permission denied\); pass a --workdir") as e:
         train.train_and_evaluate(gpt_config(), tmp_path / "w")
     assert "\n" not in str(e.value)
+
+
+def test_a_workdir_whose_lock_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    # The lock's mkdir came first: /proc/x as root ended in a 35-line FileNotFoundError.
+    from jaxhybrid import workdir as workdir_
+    monkeypatch.setattr(workdir_, "open", lambda *a, **k: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")), raising=False)
+    with pytest.raises(train.ConfigError, match=r"workdir: cannot create .*\.lock "
+                                                r"\(Permission denied\); pass a --workdir") as e:
+        train.train_and_evaluate(gpt_config(), tmp_path / "w")
+    assert "\n" not in str(e.value)
+
+
+def test_fewer_steps_than_the_workdir_holds_are_refused_before_anything_changes(tmp_path):
+    """train.steps=1 in a workdir at step 2: it restored, evaluated, rewrote config.json
+    with the smaller count and reported step 2, exit 0."""
+    train.train_and_evaluate(gpt_config(**{"train.steps": 2, "checkpoint.every": 2}), tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    with pytest.raises(train.ConfigError, match=r"train.steps=1, but .* holds a run at step 2; "
+                                                r"raise train.steps"):
+        train.train_and_evaluate(gpt_config(), tmp_path)
+    assert (tmp_path / "config.json").read_text() == saved
+    # The same count again (a requeued job that had finished) still runs as before.
+    again = gpt_config(**{"train.steps": 2, "checkpoint.every": 2})
+    assert train.train_and_evaluate(again, tmp_path)["step"] == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.model.size=tiny", "--config.model.loss=mine:fn"],
+     r"^error: model.loss / model.kwargs are for model.module"),
+    (["--config.model.size=tiny", "--config.model.kwargs.depth=2"],
+     r"^error: model.loss / model.kwargs are for model.module"),
+    (["stray"], r"^error: unexpected arguments \['stray'\]; every setting is a flag"),
+    (["--workdir="], r"^error: --workdir= is empty; give a directory"),
+])
+def test_settings_train_py_would_ignore_are_refused_in_one_line(tmp_path, args, message):
+    """A built-in model trained with its own loss whatever model.loss / model.kwargs
+    said; a stray argument printed the whole --help page; an empty --workdir wrote to
+    /tmp/jaxhybrid/<config>."""
+    out = run_script(tmp_path / "w", *args)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and "flags:" not in out.stderr, out.stderr[-2000:]
+    assert any(__import__("re").match(message, line) for line in out.stderr.splitlines()), \
+        out.stderr[-2000:]
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_workdir_under_a_file_is_named_as_such(tmp_path):

@@ -76,7 +76,7 @@ def checked_schedule(schedule, pipe: int, M: int, virtual_stages, zero: bool,
         how = f" ({pipe} devices x {v} virtual)" if v > 1 else ""
         raise ValueError(f"Pipeline: {sched.num_stages} stages{how} but only {num_layers} "
                          f"layers; use a mesh with pipe <= {num_layers // v}"
-                         f"{' or fewer virtual stages' if v > 1 else ''}, "
+                         f"{_fewer_stages_per_device(sched)}, "
                          f"or split the model into more layers.")
     return sched
 
@@ -291,3 +291,13 @@ def same_key_everywhere(pipe, call: str, rng):
     of each process's own (`fold_in(key, process_index())`) gave each process another
     loss for the same step, silently. Checked by jax on every call (a few bytes)."""
     return distributed.place_key_everywhere(rng, pipe.mesh, f"Pipeline.{call}: rng")
+
+
+def _fewer_stages_per_device(sched: Schedule) -> str:
+    """How to run fewer stages per device: fewer virtual stages where the schedule takes
+    them (interleaved); zbv always runs two (virtual_stages does not change it)."""
+    if sched.virtual_stages == 1:
+        return ""
+    if "virtual_stages" in dict(sched.options):
+        return " or fewer virtual stages"
+    return f" or a schedule with one stage per device ({sched.name} runs {sched.virtual_stages})"
