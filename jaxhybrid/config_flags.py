@@ -238,6 +238,9 @@ class _ResolvingParser(_ml_impl.ConfigFileFlagParser):
             return path   # already a config (e.g. a default set programmatically)
         name, colon, arg = path.partition(":")
         file = resolve_config_path(name)
+        # ml_collections runs the file in sys.modules' "<flag>_config" module if one is
+        # there: a file without get_config() then ran the previous config's.
+        sys.modules.pop(f"{self.name}_config", None)
         with config_file_errors(file):
             config = super().parse(file + colon + arg)
         return open_model_options(config)
