@@ -2,7 +2,8 @@
 
     python scripts/burst.py --model=vgg16,wrn,inception_v3 --devices=8,16,32,64,128,256,512,1024
     python scripts/burst.py --model=inception_v3 --hardware=h100_dgx --json
-    python scripts/burst.py --model=vgg16 --devices=64 --plot=/tmp/vgg64.png   # devices x time
+    python scripts/burst.py --model=vgg16 --devices=64 --hardware=v100_dgx1 --plot=/tmp/vgg64.png
+        # the plan (one model, one cluster) as devices x time
 
 For each model, cluster and size: the burst plan at the fixed global batch (per-layer
 widths under the amplification limit), foreground throughput, a background job (the same
@@ -19,6 +20,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxhybrid.config_flags import define_int_list  # noqa: E402
+from jaxhybrid.plan.plan import png_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("model", ["vgg16", "wrn", "inception_v3"], "models (jaxhybrid.models names)")
@@ -33,7 +35,9 @@ flags.DEFINE_float("mux_efficiency", 0.8, "share of idle time the background tur
 flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxhybrid"),
                     "where profiled costs are cached")
 flags.DEFINE_bool("json", False, "print one JSON document instead of tables")
-flags.DEFINE_string("plot", None, "PNG path: devices x time of the plan (one model/cluster)")
+flags.DEFINE_string("plot", None, "PNG path: devices x time of the plan at the largest "
+                    "--devices, for one --model and one --hardware ('.png' added when it has "
+                    "no suffix)")
 flags.DEFINE_bool("branches", True, "let layers made of parallel branches (Inception blocks) "
                   "run them side by side on separate device groups")
 
@@ -127,16 +131,18 @@ def check_flags() -> None:
                          f"give a batch that is a multiple of {max(bad)}.")
     if FLAGS.plot:
         if len(FLAGS.model) * len(FLAGS.hardware) > 1:   # each plot overwrote the last
+            default = ("" if FLAGS["hardware"].present else
+                       f" (--hardware defaults to {','.join(FLAGS.hardware)}: add e.g. "
+                       f"--hardware={FLAGS.hardware[0]})")
             raise ValueError(f"--plot draws one plan (the largest --devices): give one --model "
                              f"and one --hardware, not {len(FLAGS.model)} x "
-                             f"{len(FLAGS.hardware)}.")
-        folder = os.path.dirname(os.path.abspath(FLAGS.plot))
-        if not os.path.isdir(folder):                    # was a traceback after the planning
-            raise ValueError(f"--plot={FLAGS.plot}: folder {folder} does not exist.")
+                             f"{len(FLAGS.hardware)}{default}.")
+        png_path(FLAGS.plot, "--plot")
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:   # one line, as every other error (they were ignored: exit 0)
+        sys.exit(f"burst.py: unexpected arguments {argv[1:]}; flags are --name=value.")
     try:
         check_flags()
     except ValueError as e:
@@ -161,7 +167,9 @@ def main(argv):
                 sys.exit(f"burst.py: {e}")
             out["results"].append({"model": name, "size": FLAGS.size, "hardware": hw, "rows": rows})
             if FLAGS.plot:
-                plans[-1].plot(FLAGS.plot, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
+                path = png_path(FLAGS.plot, "--plot")
+                plans[-1].plot(path, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
+                print(f"wrote {path}", file=sys.stderr)   # stderr: --json stays one document
     if FLAGS.json:
         print(json.dumps(out, indent=1))
         return

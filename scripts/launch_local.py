@@ -166,6 +166,11 @@ def main(argv=None) -> int:
         parser.error(f"--port={args.port} must be a TCP port, 1..65535 (0: a free one)")
     if not args.stop_grace_s >= 0:
         parser.error(f"--stop_grace_s={args.stop_grace_s} must be >= 0 seconds")
+    # Checked before any process starts (each started, then failed a second later with
+    # Python's "can't open file").
+    if not os.path.isfile(args.script):
+        parser.error(f"--script={args.script} is not a file; give the path of the Python "
+                     f"script every process runs (default: scripts/train.py)")
     script_args = argv[split + 1:]
     if repeated := per_process_flags(script_args):
         parser.error(f"{', '.join(repeated)} after `--` would give every "

@@ -99,19 +99,14 @@ def main(argv):
     if len(argv) > 1:   # one line, as every other error (not absl's page of flags)
         sys.exit(f"error: unexpected arguments {argv[1:]}; flags are --name=value.")
     from jaxhybrid.plan import plan_from_config
-    from jaxhybrid.plan.plan import check_chart_path
+    from jaxhybrid.plan.plan import png_path
     try:
-        for flag, path in (("--plot", FLAGS.plot), ("--json", FLAGS.json)):
-            folder = os.path.dirname(os.path.abspath(path)) if path else None
-            if folder and not os.path.isdir(folder):   # found out after planning, before
-                raise ValueError(f"{flag}={path}: no folder {folder}; create it or pick "
-                                 f"another path.")
-        suffix = os.path.splitext(FLAGS.plot or "")[1]
-        if suffix.lower() not in ("", ".png"):   # matplotlib took it as the format, after planning
-            raise ValueError(f"--plot={FLAGS.plot}: the charts are PNGs; give a path ending in "
-                             f".png (or no suffix: .png is added).")
-        if FLAGS.plot:
-            check_chart_path(FLAGS.plot, "--plot")
+        if FLAGS.plot:   # each mistake was found after planning
+            png_path(FLAGS.plot, "--plot")
+        folder = os.path.dirname(os.path.abspath(FLAGS.json)) if FLAGS.json else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"--json={FLAGS.json}: no folder {folder}; create it or pick "
+                             f"another path.")
         if FLAGS.json and os.path.isdir(FLAGS.json):   # "Is a directory", after planning
             raise ValueError(f"--json={FLAGS.json} is a folder; give a file name in it, e.g. "
                              f"{os.path.join(FLAGS.json, 'plan.json')!r}.")

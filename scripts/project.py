@@ -4,13 +4,16 @@ devices.
     python scripts/project.py --model=inception_v3 --devices=8,16,32,64,128,256,512,1024
     python scripts/project.py --model=gnmt --hardware=a100_dgx --json > gnmt.json
     python scripts/project.py --model=biglstm --stat_points=1024:60000,4096:21000,16384:9000
-    python scripts/project.py --model=gpt --costs=profile --per_worker_batch=8 \
-        --model_degrees=1,2,4 --zero=0,1      # data x pipe x model, ZeRO on and off
+    python scripts/project.py --model=gpt --costs=profile --per_worker_batch=8 \\
+        --model_degrees=1,2,4 --zero=0,1 --stat_points=256:40000,1024:12000,4096:5000
+        # data x pipe x model, ZeRO on and off; GPT has no statistical-efficiency
+        # default, so --stat_points (measured batch:steps points) is required
 
 Prints the best data-parallel-only and the best hybrid configuration for each N (step
 time, epochs to target, hours), the speedup, the crossover N and the at-scale gain (best
 DP over all N vs best hybrid over all N), and writes a PNG of time to accuracy vs N
-(--out; default projection_<model>_<hardware>.png, --out= to skip). --json prints the
+(--out; default projection_<model>_<hardware>.png, '.png' added to a path without a
+suffix, --out= to skip). --json prints the
 same as JSON. Every assumption is in docs/projection.md.
 
 Costs: --costs=reference (analytic full-size costs of inception_v3 / gnmt / biglstm),
@@ -24,6 +27,7 @@ Statistical efficiency: the model's documented default, modified by --e_min / --
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -33,6 +37,7 @@ from absl import app, flags
 # burst.py are (the import below failed outside the repository).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxhybrid.config_flags import define_int_list  # noqa: E402
+from jaxhybrid.plan.plan import png_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "inception_v3", "inception_v3 | gnmt | biglstm (or any "
@@ -67,7 +72,8 @@ flags.DEFINE_float("dataset_size", None, "examples per epoch (default: the model
 flags.DEFINE_bool("json", False, "print JSON instead of the table.")
 flags.DEFINE_bool("all_configs", False, "with --json: include every configuration tried.")
 flags.DEFINE_string("out", None, "PNG of time to accuracy vs N (default "
-                    "projection_<model>_<hardware>.png; empty: no PNG).")
+                    "projection_<model>_<hardware>.png; '.png' added when it has no "
+                    "suffix; empty: no PNG).")
 
 
 def _points(items):
@@ -121,15 +127,23 @@ def _no_hybrid(n: int, layers: int) -> bool:
     return True
 
 
+def check_stat_flags() -> None:
+    """--b_noise / --e_min / --max_batch / --dataset_size: finite and > 0, named by flag
+    (inf was refused later as "StatEfficiency: s_min=inf", NaN as "must be > 0")."""
+    for f in ("b_noise", "e_min", "max_batch", "dataset_size"):
+        v = getattr(FLAGS, f)      # None: unset; 0 is a value, refused here
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{f}={v:g} must be a finite number > 0 (leave it out for "
+                             f"the default).")
+
+
 def stat_curve():
     """The statistical-efficiency curve the flags ask for (None: the model's default)."""
     from jaxhybrid.plan import stat_efficiency as se
     default = se.MODEL_DEFAULTS.get(FLAGS.model)
     given = {f: getattr(FLAGS, f) for f in ("b_noise", "e_min", "max_batch", "dataset_size")
              if getattr(FLAGS, f) is not None}     # 0 is a value (refused below), not "unset"
-    for f, v in given.items():
-        if not v > 0:
-            raise ValueError(f"--{f}={v:g} must be > 0 (leave it out for the default).")
+    check_stat_flags()
     dataset = given.get("dataset_size", default.dataset_size if default else None)
     if FLAGS.stat_points:
         if "b_noise" in given or "e_min" in given:
@@ -151,7 +165,8 @@ def stat_curve():
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:   # one line, as every other error (they were ignored: exit 0)
+        sys.exit(f"project.py: unexpected arguments {argv[1:]}; flags are --name=value.")
     from jaxhybrid.plan import hybrid
     try:
         costs = FLAGS.costs
@@ -177,9 +192,8 @@ def main(argv):
                              f"--zero=0,1.")
         path = (FLAGS.out if FLAGS.out is not None
                 else f"projection_{FLAGS.model}_{FLAGS.hardware}.png")
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"--out={path}: directory {os.path.dirname(path)!r} does not exist; "
-                             f"create it or pass --out= for no PNG.")
+        if path:
+            path = png_path(path, "--out")
         stat = stat_curve()   # its errors before minutes of profiling
         if costs == "measured":
             from jaxhybrid.models import get_model

@@ -48,21 +48,47 @@ from jaxhybrid.pipeline.stages import even_boundaries
 from jaxhybrid.step_memory import compiled_bytes
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("layers", 4, "GPT blocks.")
-flags.DEFINE_integer("width", 128, "GPT d_model (4 heads).")
-flags.DEFINE_list("meshes", "2x2x1,2x2x2,1x4x2,2x1x4", "data x pipe x model meshes.")
+flags.DEFINE_integer("layers", 4, "GPT blocks (not with --largest).")
+flags.DEFINE_integer("width", 128, "GPT d_model (4 heads; not with --largest).")
+flags.DEFINE_list("meshes", "2x2x1,2x2x2,1x4x2,2x1x4", "data x pipe x model meshes (not with "
+                  "--largest, which takes --layouts).")
 flags.DEFINE_integer("microbatches", 2, "microbatches per step.")
 flags.DEFINE_bool("largest", False, "print the largest GPT that fits --budget per layout.")
 flags.DEFINE_string("budget", "16GiB", "per-device memory budget for --largest.")
 define_int_list("widths", "512,1024,2048,4096", "GPT widths (d_model) for --largest.")
-flags.DEFINE_list("layouts", "4x2x1,2x2x2,2x2x2z", "data x pipe x model (z: ZeRO) layouts.")
+flags.DEFINE_list("layouts", "4x2x1,2x2x2,2x2x2z", "data x pipe x model (z: ZeRO) layouts for "
+                  "--largest (only with it; without it, --meshes).")
 flags.DEFINE_integer("seq_len", 1024, "tokens per sequence for --largest.")
 flags.DEFINE_integer("vocab", 50257, "vocabulary for --largest.")
 flags.DEFINE_integer("microbatch", 1, "sequences per microbatch for --largest.")
 flags.DEFINE_bool("remat", False, "--largest: let the planner recompute layers to fit.")
-flags.DEFINE_string("check_budget", "12MiB", "budget of the compiled check ('' to skip).")
-flags.DEFINE_integer("check_width", 128, "GPT width of the compiled check (vocab 257, "
-                     "16 tokens, 4 heads).")
+flags.DEFINE_string("check_budget", "12MiB", "budget of the compiled check of --largest "
+                    "('' to skip).")
+flags.DEFINE_integer("check_width", 128, "GPT width of the compiled check of --largest "
+                     "(vocab 257, 16 tokens, 4 heads).")
+
+# Flags each mode reads; one given to the other mode was accepted and ignored
+# (`--layouts=3x3x3` without --largest printed the --meshes table).
+LARGEST_ONLY = ("budget", "widths", "layouts", "seq_len", "vocab", "microbatch", "remat",
+                "check_budget", "check_width")
+MESHES_ONLY = ("layers", "width", "meshes")
+
+
+def check_mode_flags() -> None:
+    """A ValueError naming the flags given that the chosen mode (--largest or not) ignores."""
+    if FLAGS.largest:
+        stray = [f"--{n}" for n in MESHES_ONLY if FLAGS[n].present]
+        if stray:
+            raise ValueError(f"{', '.join(stray)}: only without --largest (the compiled bytes "
+                             f"per --meshes); with --largest give --layouts / --widths, or "
+                             f"drop --largest.")
+    else:
+        stray = [f"--{n}" for n in LARGEST_ONLY if FLAGS[n].present]
+        if stray:
+            raise ValueError(f"{', '.join(stray)}: only with --largest (the largest GPT per "
+                             f"layout); add --largest, or drop "
+                             f"{'it' if len(stray) == 1 else 'them'} (without --largest the "
+                             f"layouts are --meshes).")
 
 
 def _bytes_per_device(shardings, avals) -> int:
@@ -172,6 +198,7 @@ def largest(argv_flags) -> None:
 
 def main(argv) -> None:
     del argv
+    check_mode_flags()
     if FLAGS.largest:
         return largest(FLAGS)
     from jaxhybrid.plan.largest import Layout

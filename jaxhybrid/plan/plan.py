@@ -329,3 +329,21 @@ def check_chart_path(path, what: str) -> None:
             os.path.splitext(path)[0]) in ("", "."):
         raise ValueError(f"{what}: {path!r} is a folder, or names a folder, not a file; give "
                          f"a file name in it, e.g. {os.path.join(path, 'plan.png')!r}.")
+
+
+def png_path(path, what: str) -> str:
+    """The PNG a chart flag (`what`: "--plot", "--out") writes, checked before any work:
+    a .png suffix or none ('.png' is added: the path printed is the file written; "x.jpg"
+    was taken by matplotlib as the format), a file name rather than a folder, in a folder
+    that exists (each was found after the planning, or not at all)."""
+    import os
+    path = str(path)
+    suffix = os.path.splitext(path)[1]
+    if suffix.lower() not in ("", ".png"):
+        raise ValueError(f"{what}={path}: the charts are PNGs; give a path ending in .png (or "
+                         f"no suffix: .png is added).")
+    check_chart_path(path, what)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what}={path}: no folder {folder}; create it or pick another path.")
+    return path if suffix else f"{path}.png"
