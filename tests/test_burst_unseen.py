@@ -402,7 +402,7 @@ def test_planner_refuses_nan_limits():
     (["--size=huge"], "--size=huge: choose one of tiny, small, full"),
     (["--model="], "--model is empty"),
     (["--hardware=v100_dgx1,h100_dgx", "--plot=x.png"], "--plot draws one plan"),
-    (["--plot=/nonexistent/dir/x.png"], "no folder /nonexistent/dir; create it"),
+    (["--plot=/nonexistent/dir/x.png"], "no folder /nonexistent/dir (it does not exist)"),
 ])
 def test_burst_script_odd_flags_fail_in_one_line(tmp_path, flags, message):
     r = subprocess.run(

@@ -338,12 +338,13 @@ def png_path(path, what: str) -> str:
     that exists (each was found after the planning, or not at all)."""
     import os
     path = str(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what}={path}: no folder {folder} (it does not exist); create it "
+                         f"or pick another path.")
     suffix = os.path.splitext(path)[1]
     if suffix.lower() not in ("", ".png"):
         raise ValueError(f"{what}={path}: the charts are PNGs; give a path ending in .png (or "
                          f"no suffix: .png is added).")
     check_chart_path(path, what)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{what}={path}: no folder {folder}; create it or pick another path.")
     return path if suffix else f"{path}.png"
