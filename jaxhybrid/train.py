@@ -193,11 +193,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         except OSError as e:   # where os.access says yes but mkdir fails (/proc, some mounts)
             raise workdir_.cannot_create(workdir / "checkpoints", e) from None
         _check_processes_see_one_checkpoint(ckpt)
-        if (ckpt.latest_step() or 0) > config.train.steps:
+        saved = ckpt.latest_step() or 0
+        if saved > config.train.steps:
             # It restored, evaluated and rewrote config.json with the smaller count.
             raise ConfigError(f"train.steps={config.train.steps}, but {workdir} holds a run "
-                              f"at step {ckpt.latest_step()}; raise train.steps to train on, "
-                              f"or use another --workdir.")
+                              f"at step {saved}; raise train.steps to train on, or use "
+                              f"another --workdir.")
         begun = _begin(run, config, phases, main, ckpt)
         if main:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))

@@ -96,8 +96,9 @@ def project(costs, hardware: str, devices, batch: int, bg_batch: int, limit: flo
     return rows, plans
 
 
-def check_flags() -> None:
-    """Every flag checked before any model is profiled (the lists by their parsers)."""
+def check_flags() -> str | None:
+    """Every flag checked before any model is profiled (the lists by their parsers); the
+    PNG --plot writes (None: no plot)."""
     from jaxhybrid.models import SIZES, registered_models
     from jaxhybrid.plan.hardware import get_hardware
     names = registered_models()
@@ -137,14 +138,15 @@ def check_flags() -> None:
             raise ValueError(f"--plot draws one plan (the largest --devices): give one --model "
                              f"and one --hardware, not {len(FLAGS.model)} x "
                              f"{len(FLAGS.hardware)}{default}.")
-        png_path(FLAGS.plot, "--plot")
+        return png_path(FLAGS.plot, "--plot")
+    return None
 
 
 def main(argv):
     if len(argv) > 1:   # one line, as every other error (they were ignored: exit 0)
         sys.exit(f"burst.py: unexpected arguments {argv[1:]}; flags are --name=value.")
     try:
-        check_flags()
+        plot = check_flags()
     except ValueError as e:
         sys.exit(f"burst.py: {e}")
     devices = FLAGS.devices
@@ -166,10 +168,9 @@ def main(argv):
             except ValueError as e:   # the planner's checks (amplification limit, ...)
                 sys.exit(f"burst.py: {e}")
             out["results"].append({"model": name, "size": FLAGS.size, "hardware": hw, "rows": rows})
-            if FLAGS.plot:
-                path = png_path(FLAGS.plot, "--plot")
-                plans[-1].plot(path, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
-                print(f"wrote {path}", file=sys.stderr)   # stderr: --json stays one document
+            if plot:
+                plans[-1].plot(plot, title=f"{name} on {devices[-1]} x {hw}, batch {FLAGS.batch}")
+                print(f"wrote {plot}", file=sys.stderr)   # stderr: --json stays one document
     if FLAGS.json:
         print(json.dumps(out, indent=1))
         return

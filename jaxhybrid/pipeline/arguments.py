@@ -298,6 +298,6 @@ def _fewer_stages_per_device(sched: Schedule) -> str:
     them (interleaved); zbv always runs two (virtual_stages does not change it)."""
     if sched.virtual_stages == 1:
         return ""
-    if "virtual_stages" in dict(sched.options):
+    if sched.takes_virtual_stages:
         return " or fewer virtual stages"
     return f" or a schedule with one stage per device ({sched.name} runs {sched.virtual_stages})"

@@ -86,7 +86,7 @@ def plan_from_config(config, *, topology: str | Topology | None = None, memory_b
         vs = sched.virtual_stages
         how = (f" (pipe {S} x {vs} virtual stages per device, {sched.name})" if vs > 1 else "")
         fix = ("fewer virtual stages (pipeline.virtual_stages, --virtual_stages)"
-               if schedule == "interleaved" else "a schedule with one stage per device")
+               if sched.takes_virtual_stages else "a schedule with one stage per device")
         raise ValueError(f"plan_from_config: {sched.num_stages} stages{how} but the model has "
                          f"only {len(spec.layers)} layers; use fewer stages (--stages)"
                          + (f" or {fix}" if vs > 1 else "") + ".")

@@ -271,8 +271,8 @@ def _planned_schedule(schedule, num_stages: int, M: int, virtual_stages: int, L:
     if S > L:   # named in the user's terms (partition would say "16 stages" for 4 x 4)
         how = f"{S // v} devices x {v} stages each ({sched.name}) = " if v > 1 else ""
         raise ValueError(f"make_plan: {how}{S} stages but only {L} layers; use "
-                         + ("fewer virtual stages, " if "virtual_stages" in dict(sched.options)
-                            else "a schedule with one stage per device, " if v > 1 else "")
+                         + (("fewer virtual stages, " if sched.takes_virtual_stages
+                             else "a schedule with one stage per device, ") if v > 1 else "")
                          + "fewer pipeline stages or split the model into more layers.")
     return sched
 

@@ -82,6 +82,12 @@ class Schedule:
         return self.num_stages // self.num_devices
 
     @property
+    def takes_virtual_stages(self) -> bool:
+        """Whether its builder takes `virtual_stages` (interleaved), so that fewer stages
+        per device is a fix to offer; zbv always runs two."""
+        return "virtual_stages" in dict(self.options)
+
+    @property
     def num_ticks(self) -> int:
         return 1 + max(t.tick for t in self.tasks)
 
