@@ -11,14 +11,19 @@ flax's own `nn.Dropout` and `nn.BatchNorm` can be layers as they are).
 Collections other than "params" (e.g. "batch_stats") are *state*: mutable while training,
 frozen in evaluation. Dropout draws from the "dropout" rng, which is derived per
 microbatch and per layer with `layer_rng`, so every layer of every microbatch gets its own
-reproducible stream however the layers are split into stages.
+reproducible stream however the layers are split into stages. Any other stream a layer
+draws from (a VAE's `make_rng("noise")`) gets a key derived from that one (`call_rngs`,
+`with_streams`).
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+import re
+import zlib
+from typing import Any, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -91,6 +96,43 @@ def layer_rng(key: jax.Array, microbatch: jax.Array | int, layer_index: int) -> 
     return jax.random.fold_in(jax.random.fold_in(raw_key(key), microbatch), layer_index)
 
 
+def call_rngs(key: jax.Array | None, streams: Sequence[str] = ()) -> dict:
+    """The rngs of one layer's call on one microbatch from its key (`layer_rng`): "dropout"
+    is the key itself, every other stream in `streams` ("noise", "sample", ...) the key
+    folded with a number made from its name, so each stream is its own (flax's lifted
+    transforms split or broadcast it as `split_rngs` says for that name). No key
+    (evaluation without rng=): no streams, so a layer that draws is refused, naming the
+    fix."""
+    if key is None:
+        return {}
+    return {"dropout": key, **{s: jax.random.fold_in(key, zlib.crc32(s.encode()) & 0x7FFFFFFF)
+                               for s in streams if s != "dropout"}}
+
+
+# Per model or layer (by identity: a linen module hashes by its attributes, and one
+# holding a dict cannot), (the module, the rng streams other than "dropout" it was seen
+# to draw from).
+_STREAMS: dict = {}
+
+
+def with_streams(module, key: jax.Array | None, call):
+    """`call(rngs)` with `call_rngs(key, streams)`, the streams `module` draws from: a
+    stream it asks for and was not given (flax's InvalidRngError, which names it) is added
+    and the call traced again, and remembered for the module's next calls. A stream the
+    module only looks for (`self.has_rng("noise")`) is never asked for: it is not given."""
+    seen = _STREAMS.get(id(module))
+    streams = seen[1] if seen is not None and seen[0] is module else ()
+    while True:
+        try:
+            return call(call_rngs(key, streams))
+        except flax.errors.InvalidRngError as e:
+            missing = re.search(r'needs PRNG for "([^"]+)"', str(e))
+            if key is None or missing is None or missing.group(1) in ("dropout", *streams):
+                raise
+            streams = (*streams, missing.group(1))
+            _STREAMS[id(module)] = (module, streams)
+
+
 def init_layer(layer: nn.Module, key: jax.Array, x: PyTree, *, train: bool = True,
                boxed: bool = False):
     """Initialises one layer; returns (unboxed variables, output on `x`); `boxed`: the
@@ -108,11 +150,11 @@ def apply_layer(layer: nn.Module, variables: dict, x: PyTree, *, train: bool,
     non-"params" collections (updated when training, unchanged otherwise)."""
     kwargs = mode_kwargs(layer, train)
     state = {k: v for k, v in variables.items() if k != "params"}
-    rngs = {"dropout": rng} if rng is not None else {}   # also in evaluation: a VAE samples
-    if train and state:
-        y, new_state = layer.apply(variables, x, rngs=rngs, mutable=list(state), **kwargs)
+    if train and state:   # rng: also in evaluation (a VAE samples)
+        y, new_state = with_streams(layer, rng, lambda rngs: layer.apply(
+            variables, x, rngs=rngs, mutable=list(state), **kwargs))
         return y, nn.meta.unbox(dict(new_state))
-    y = layer.apply(variables, x, rngs=rngs, **kwargs)
+    y = with_streams(layer, rng, lambda rngs: layer.apply(variables, x, rngs=rngs, **kwargs))
     return y, state
 
 

@@ -35,6 +35,7 @@ from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
                                      stashed_bytes, stashed_io, whole_values)
+from jaxhybrid.splitter.cuts import without_gradient
 
 
 _FORMAT = "piece-4"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries,
@@ -42,6 +43,24 @@ _FORMAT = "piece-4"   # on-disk records: 2 added the stashed residuals, 3 backwa
 # `_residuals`' record of a piece that stashes nothing.
 _NO_RESIDUALS = {"saved": {}, "cross": {}, "weight_saved": {}, "cross_values": [], "largest": {},
                  "io": [], "bwd_temp": 0}
+
+
+def _wiring(prog, units, args, outs) -> tuple:
+    """A piece's operations as they are wired, independent of the program's value ids:
+    per unit its operation, length, inputs (the piece's argument n, unit u's output m,
+    or a constant's shape and dtype), sliced inputs and output shapes; then the piece's
+    outputs alike."""
+    where = {i: ("arg", n) for n, i in enumerate(args)}
+    aval = lambda i: (prog.avals[i].shape, str(prog.avals[i].dtype))  # noqa: E731
+    units_sig = []
+    for u_n, u in enumerate(units):
+        ins = tuple(where.get(i, ("const", *aval(i))) for i in u.ins)
+        units_sig.append((u.op.name, u.length, ins, tuple(u.slice_at),
+                          tuple(aval(o) for o in u.outs)))
+        where.update({o: ("unit", u_n, m) for m, o in enumerate(u.outs)})
+        for m, (o, chunks) in enumerate(u.concat):   # a scan's chunks joined
+            where[o] = ("concat", u_n, m, tuple(where.get(c) for c in chunks))
+    return tuple(units_sig), tuple(where.get(i, ("const", *aval(i))) for i in outs)
 
 
 def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
@@ -52,14 +71,17 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
     peak_flops, bandwidth = device_peak()
     batch = int(np.shape(jax.tree.leaves(sample)[0])[0])
     out, seen, stashed_by = [], {}, {}
+    none = without_gradient(prog, segs)
     for k, seg in enumerate(segs):
         var_ids = list(seg.reads.values())
         in_ids = [i for i in seg.live_in if i in prog.avals]
         outs = t.y_ids if k == len(segs) - 1 else seg.live_out
         outs = [i for i in outs if i not in prog.consts]
         args = var_ids + in_ids
+        # As the pipeline differentiates the piece: not the model's input, nor a value no
+        # gradient can reach (`cuts.without_gradient`; run_piece stop_gradients it).
         diff = [n for n, i in enumerate(args) if is_float(prog.avals[i])
-                and (k > 0 or i not in t.x_ids)]
+                and (k > 0 or i not in t.x_ids) and i not in none]
 
         def fwd(*vals, _seg=seg, _args=args, _outs=outs):
             env = dict(prog.consts)
@@ -78,11 +100,11 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             return pull([jnp.ones_like(y) for y in ys])
 
         avals = [jax.ShapeDtypeStruct(prog.avals[i].shape, prog.avals[i].dtype) for i in args]
-        # Repeated blocks make pieces with the same operations on the same shapes: their
-        # costs are analysed once.
+        # Repeated blocks make pieces with the same operations on the same shapes, wired
+        # alike: their costs are analysed once. (Shapes alone matched pieces whose
+        # outputs differed: a record's stashed outputs indexed another piece's outputs.)
         sig = (tuple(diff), tuple((a.shape, str(a.dtype)) for a in avals),
-               tuple((u.op.name, u.length, tuple((prog.avals[i].shape, str(prog.avals[i].dtype))
-                                                 for i in (*u.ins, *u.outs))) for u in seg.units))
+               _wiring(prog, seg.units, args, outs))
         disk = None
         if sig not in seen and cost_cache.cache_dir() is not None:
             disk = cost_cache.cache_path(cost_cache.cache_dir(), [_FORMAT, repr(sig), [

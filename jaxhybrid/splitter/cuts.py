@@ -65,6 +65,27 @@ class Unit:
             env[out] = jax.numpy.concatenate([env[c] for c in chunks], axis=0)
 
 
+def without_gradient(prog, segs) -> frozenset:
+    """Ids of the float values the pieces make (`segs`, in order) that no gradient can
+    reach: made from no value that depends on the model's inputs or variables, or only
+    through `stop_gradient`. Such a value crossing a cut (a stop_gradient'ed carry of a
+    power iteration) is stop_gradient'ed again where a piece receives it: seen as a plain
+    input, reverse-mode differentiation went into the `while_loop` it feeds, which jax
+    cannot differentiate. Values of unknown origin are taken as differentiable."""
+    floating = lambda i: jax.numpy.issubdtype(prog.avals[i].dtype, jax.numpy.inexact)  # noqa: E731
+    diff = set(prog.invars)
+    for seg in segs:
+        diff.update(seg.reads.values())
+    none = set()
+    for seg in segs:
+        for u in seg.units:
+            made = u.op.name != "stop_gradient" and any(i in diff for i in u.ins)
+            (diff if made else none).update(o for o in u.outs if floating(o))
+            for out, chunks in u.concat:
+                (diff if any(c in diff for c in chunks) else none).add(out)
+    return frozenset(none - diff)
+
+
 @dataclasses.dataclass
 class Segment:
     units: list

@@ -27,6 +27,7 @@ import functools
 import warnings
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -277,8 +278,14 @@ class SplitModel:
             if seg.needs_key:
                 env[t.key_id] = _dropout_key(module)
         else:
+            key = ("without_gradient", str(x_abs), train)
+            if key not in self._cache:
+                self._cache[key] = C.without_gradient(t.prog, segs)
+            none = self._cache[key]
             for i, v in zip(seg.live_in, leaves):
-                env[i] = _from_wire(v, t.prog.avals[i])
+                v = _from_wire(v, t.prog.avals[i])
+                # No gradient can reach it: say so to jax (`cuts.without_gradient`).
+                env[i] = jax.lax.stop_gradient(v) if i in none else v
         for unit in seg.units:
             unit.run(env)
         if train:
@@ -390,7 +397,9 @@ class SplitModel:
 
 def _dropout_key(module: nn.Module):
     """The raw "dropout" key the pipeline handed piece 0 (layer_rng(rng, g, 0))."""
-    if not module.has_rng("dropout"):
-        module.make_rng("dropout")   # raises flax's InvalidRngError: the pipeline names the fix
+    if not module.has_rng("dropout"):   # no rng= given: the pipeline names the fix
+        # (flax's own message named "dropout", which the model may never draw from).
+        raise flax.errors.InvalidRngError("the model draws random numbers (from its rng "
+                                          "streams) and no key was given")
     lazy = module.scope.rngs["dropout"]
     return raw_key(getattr(lazy, "rng", lazy))

@@ -8,7 +8,9 @@ with the model called as `model(x, **call_kwargs)`, `train=` set when `__call__`
 (or `training=` / `is_training=`, else `deterministic=not train`: `layers.MODE_FLAGS`),
 linen and NNX alike, and for NNX the
 attributes `deterministic` / `use_running_average` set too. The
-"dropout" rng of a linen model is `key` (raw uint32 key data). NNX rng streams (RngKey /
+rngs of a linen model are `layers.call_rngs(key, streams)` (`key` raw uint32 key data:
+"dropout", and every other stream it draws from, `layers.with_streams`, from a key folded
+from it). NNX rng streams (RngKey /
 RngCount variables) are not trained: while split they are re-seeded per microbatch, the
 RngKey that is leaf j of the model's state becoming fold_in(key, j) (split to its shape
 when it is stacked, as nnx.vmap'd layers' are) with its count at 0.
@@ -135,14 +137,15 @@ class Adapter:
         for i, v in zip(self.program_vars, var_leaves):
             leaves[i] = v
         if self.kind == "linen":
-            return self._linen_forward(leaves, x, key, train)
+            return layers.with_streams(self.model, key, lambda rngs: self._linen_forward(
+                leaves, x, rngs, train))
         return self._nnx_forward(leaves, x, key, train)
 
-    def _linen_forward(self, leaves, x, key, train):
+    def _linen_forward(self, leaves, x, rngs, train):
+        """`forward` of a linen model, its rngs `layers.call_rngs` of the key."""
         variables = jax.tree.unflatten(self.treedef, leaves)
         kw = {**self.call_kwargs, **self.mode_kwargs(train)}
         state_colls = sorted(set(self.colls) - {"params"})
-        rngs = {"dropout": key} if key is not None else {}
         if train and state_colls:
             # A collection the model sows into (`self.sow`, which model.init keeps) is
             # left out of the call: sow appends to what it is given, so its new value
@@ -345,10 +348,6 @@ def _trace_errors(thunk):
                          "with none; give it rngs= when you build it (nnx.Dropout(rate, "
                          "rngs=rngs)) or keep an nnx.Rngs on the model and pass "
                          "rngs=self.rngs.") from e
-    except flax.errors.InvalidRngError as e:
-        raise ValueError(f"Splitter: the model draws from an rng stream other than "
-                         f"'dropout' ({str(e).splitlines()[0]}); the pipeline gives "
-                         f"'dropout' only: rename the stream.") from e
 
 
 def trace(adapter: Adapter, x_abstract, train: bool):
