@@ -2,14 +2,16 @@
 
     python scripts/bench.py memory [--models=inception_v3,gnmt,biglstm,gpt] [--size=tiny]
                                    [--pipe=4] [--step=train|grad] [--config_schedule=zb-h1]
-                                   [--remat=none|layers|full]
+                                   [--remat=none|layers|full|dots_saveable|...]
 
 For each model, its config in configs/ (`<name>_hybrid.py`: mesh data, microbatches,
 batch, schedule, model overrides) at --size and pipe = --pipe (and --config_schedule in
 place of the config's, if given), with the planner's boundaries and no recomputation
 (--remat=layers: every layer recomputed in its backward, each under its own
 `jax.checkpoint`, as the planner's recomputation choices run; --remat=full: the
-runtime's stage-level remat="full", each stage recomputed whole from its input):
+runtime's stage-level remat="full", each stage recomputed whole from its input;
+--remat=<a jax.checkpoint_policies name>: every stage under that policy, priced from the
+residuals it keeps, `pipeline.policy_memory`):
 
   predicted  the planner's memory model of the engine (`plan.memory_model.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the
@@ -56,10 +58,11 @@ flags.DEFINE_string("size", "tiny", "model size (tiny | small | full), or 'confi
 flags.DEFINE_integer("pipe", 4, "pipeline stages S.")
 flags.DEFINE_enum("step", "train", ["train", "grad"], "train: the training step with AdamW "
                   "(scripts/train.py); grad: the pipeline's value_and_grad step alone.")
-flags.DEFINE_enum("remat", "none", ["none", "layers", "full"], "recomputation of the step "
+flags.DEFINE_string("remat", "none", "recomputation of the step "
                   "compared: none, layers (every layer's forward again in its backward, per "
                   "layer as the planner's choices run) or full (each stage recomputed whole "
-                  "from its input: Pipeline(remat='full')).")
+                  "from its input: Pipeline(remat='full')) or a jax.checkpoint_policies "
+                  "name (every stage under it, e.g. dots_saveable).")
 flags.DEFINE_string("config_schedule", "", "a registered schedule in place of each config's "
                     "pipeline.schedule (e.g. zb-h1, zbv); empty: the config's own.")
 
@@ -100,10 +103,11 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
                             **config.model.overrides.to_dict())
     mesh = jh.make_mesh(data=config.mesh.data, pipe=config.mesh.pipe)
     M = config.pipeline.num_microbatches
-    every = [remat != "none"] * len(spec.layers)
+    policy = remat not in ("none", "layers", "full")
+    every = [remat in ("layers", "full")] * len(spec.layers)
     pipe = jp.Pipeline(spec.layers, mesh=mesh, num_microbatches=M,
                        schedule=config.pipeline.schedule,
-                       remat="full" if remat == "full" else every)
+                       remat=remat if remat == "full" or policy else every)
     x, y = spec.sample_batch(config.train.batch_size)
     t0 = time.perf_counter()
     pipe.make_plan(x)
@@ -111,7 +115,8 @@ def compare(config, step: str = "train", remat: str = "none") -> dict:
     factor = 4 if step == "train" else 2
     terms = memory_terms(costs, pipe.boundaries, pipe.schedule, every,
                          param_state_factor=factor,
-                         whole_stage=[remat == "full"] * pipe.num_stages)
+                         whole_stage=[remat == "full"] * pipe.num_stages,
+                         policy_kept=pipe.plan.stage_policy_kept)
     plan_s = time.perf_counter() - t0
 
     # Compiling needs shapes only: zeros in place of initialised values.
@@ -176,6 +181,12 @@ def main(argv) -> None:
     print(f"host: {jax.device_count()} x {jax.devices()[0].platform} devices; step "
           f"{FLAGS.step}; pipe {FLAGS.pipe}; size {FLAGS.size}; schedule "
           f"{FLAGS.config_schedule or 'as configured'}; load average {load:.2f}")
+    if FLAGS.remat not in ("none", "layers", "full"):
+        from jaxhybrid.pipeline.stages import check_stage_remat
+        try:
+            check_stage_remat(FLAGS.remat)
+        except ValueError as e:
+            raise SystemExit(f"bench memory: --remat={FLAGS.remat}: {e}") from None
     rows = []
     for name in FLAGS.models:
         config = model_config(name, FLAGS.size, FLAGS.pipe, FLAGS.config_schedule)

@@ -26,17 +26,27 @@ class PipelinePlanning:
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
         from jaxhybrid.plan.calibration import stored_hardware
         costs = self._layer_costs() if costs is None else costs
+        kw = dict(num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
+                  schedule=self.schedule, data=self.data, topology=self.topology,
+                  model=self.model, zero_shards=self.data if self.zero else 1,
+                  hardware=stored_hardware(), remat=self._planned_remat(),
+                  whole_stage_remat=self._planned_whole_stages(),
+                  param_state_factor=self.param_state_factor)
         plan = planner.make_plan(
-            costs, num_stages=self.pipe_size, num_microbatches=self.num_microbatches,
-            schedule=self.schedule, data=self.data, topology=self.topology,
-            memory_budget=self.memory_budget if self.remat == "auto" else None,
-            boundaries=self.boundaries if fixed else None, model=self.model,
-            zero_shards=self.data if self.zero else 1, hardware=stored_hardware(),
-            remat=self._planned_remat(), whole_stage_remat=self._planned_whole_stages(),
-            param_state_factor=self.param_state_factor)
+            costs, memory_budget=self.memory_budget if self.remat == "auto" else None,
+            boundaries=self.boundaries if fixed else None, **kw)
         policies = [p.stage_remat if p.stage_remat not in ("none", "full") else None
                     for p in self.programs]
-        if any(policies):   # not modelled, but run again by Pipeline(plan=...)
+        if any(policies) and self.model == 1:
+            # Stages under a jax.checkpoint policy: their memory from the residuals the
+            # policy keeps, traced on the cuts made (a device's share of a tensor-parallel
+            # layer is not traced: with model > 1 they stay priced as not recomputed).
+            from jaxhybrid.pipeline.policy_memory import policy_kept
+            plan = planner.make_plan(
+                costs, boundaries=plan.boundaries, device_order=plan.device_order,
+                policy_kept=policy_kept(self.layers, self._sample, plan.stage_ranges,
+                                        policies), **kw)
+        if any(policies):   # run again by Pipeline(plan=...)
             plan.stage_policy = policies
         return plan
 
@@ -45,8 +55,8 @@ class PipelinePlanning:
         its own choice, nothing recomputed, whatever ran); None where the planner chooses.
         A stage recomputed whole is `_planned_whole_stages` (make_plan marks its layers
         for whatever cuts it picks: flags taken from the even split standing in before
-        planning described other stages than ran); a stage's jax.checkpoint policy is not
-        modelled and counts as none for that stage alone."""
+        planning described other stages than ran); a stage under a jax.checkpoint policy
+        has no recompute flags (its memory is `policy_memory`'s, its time not recomputed's)."""
         if isinstance(self.remat, str) and self.remat in ("auto", "none"):
             return None
         return [bool(r) for prog in self.programs for r in prog.layer_remat]
@@ -63,7 +73,8 @@ class PipelinePlanning:
     def plan(self):
         """The plan in use (boundaries, remat per layer, predicted per-stage time/memory):
         the user's remat when given ('full', one bool per layer, or per stage 'none' /
-        'full'; a stage's jax.checkpoint policy is not modelled and shows as none)."""
+        'full'; a stage's jax.checkpoint policy in `plan.stage_policy`, its memory priced
+        from the residuals the policy keeps, its time as not recomputed)."""
         if self._plan is None:
             if self._sample is None:
                 raise ValueError("Pipeline.plan: call pipe.init(rng, sample_inputs) first (the "

@@ -44,7 +44,10 @@ A stage recomputed whole from its input (`whole_stage`: the runtime's stage-leve
 remat="full", one jax.checkpoint around the stage) keeps that input alone (and, last,
 the loss's residuals); its backward re-materialises every residual of the stage at once
 (its transient), and a split backward's B runs it whole, so its crossing values are the
-stage's parameter gradients.
+stage's parameter gradients. A stage run under a jax.checkpoint policy (remat=
+"dots_saveable", ...: `policy_kept`, its kept residuals by dtype as the runtime's trace
+of that stage finds them, `pipeline.policy_memory`) is priced alike, keeping what the
+policy saves instead of its input, and re-materialising the rest.
 
 Otherwise kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
 saved_bytes (less what an earlier layer of the stage, not recomputed, stashes too: one
@@ -139,13 +142,19 @@ def _on_device(costs, param_state_factor, model, zero_shards, optimizer_factor):
     return [local_cost(c, model) for c in costs], factor
 
 
-def _kept_by_dtype(costs, a, b, r, shared: bool = True, whole: bool = False) -> dict:
+def _kept_by_dtype(costs, a, b, r, shared: bool = True, whole: bool = False,
+                   kept: dict | None = None) -> dict:
     """A stage's kept residuals by dtype name (one stash buffer per dtype). Residuals of
     unknown dtype, recomputed layers' inputs and the loss's count as float32. A value two
     neighbouring layers both stash (`LayerCost.shared_residuals`) counts once, unless
     `shared=False`: the recompute search's linear model, where recomputing a layer frees
     all of its residuals (an upper bound on what is kept; its picks are checked against
-    the model with sharing). `whole`: the stage is recomputed whole and keeps its input."""
+    the model with sharing). `whole`: the stage is recomputed whole and keeps its input;
+    `kept`: a policy stage's kept residuals by dtype (the module docstring)."""
+    if kept is not None:
+        out = {d: float(v) for d, v in kept.items()}
+        out["float32"] = out.get("float32", 0.0) + _loss_bytes(costs, b)
+        return out
     if whole:
         return {"float32": float(costs[a].saved_bytes_remat) + _loss_bytes(costs, b)}
     out: dict = {}
@@ -169,7 +178,7 @@ def _kept_by_dtype(costs, a, b, r, shared: bool = True, whole: bool = False) -> 
     return out
 
 
-def _cross_ring(costs, ranges, r, schedule, row: dict, whole) -> float:
+def _cross_ring(costs, ranges, r, schedule, row: dict, whole, policy_kept) -> float:
     """Bytes of the cross ring of a split backward (zb-h1, zbv; 0 for others): per stage
     and dtype, the crossing values that do not fit into the row's space W no longer
     reads (the padded row less the residuals W still reads); the ring's row is the
@@ -182,15 +191,16 @@ def _cross_ring(costs, ranges, r, schedule, row: dict, whole) -> float:
     recomputed: a ring of 1.57MB, three kernels' gradients per slot, where this model
     said nothing and a budget it called met was missed by 29%). The first stage is
     `_first_stage_values`'. `row`: the padded stash row by dtype (`_row_terms`); `whole`:
-    per stage, recomputed whole (its B runs the one checkpoint: every layer's parameter
-    gradients cross)."""
+    per stage, recomputed whole or under a policy (its B runs the one checkpoint: every
+    layer's parameter gradients cross); `policy_kept`: per stage, a policy stage's kept
+    residuals or None."""
     slots = schedule.ring_slots()[1].get("cross", 0)
     if not (getattr(schedule, "split_backward", False) and slots):
         return 0.0
     over: dict = {}
     piece = _largest_residual(costs, r, ranges, whole)
-    for (a, b), w in zip(ranges, whole):
-        values, live = (_first_stage_values(costs, b, r, w) if a == 0
+    for (a, b), w, k in zip(ranges, whole, policy_kept):
+        values, live = (_first_stage_values(costs, b, r, w, k) if a == 0
                         else _stage_cross_values(costs, a, b, np.ones(len(costs), bool) if w
                                                  else r))
         for d, n in _overflow(values, row, live, piece).items():
@@ -221,7 +231,8 @@ def _as_values(whole: list, by_dtype: dict, scale: float) -> list:
     return [[d, v * scale, False] for d, v in by_dtype.items()]
 
 
-def _first_stage_values(costs, b, r, whole: bool = False) -> tuple[list, dict]:
+def _first_stage_values(costs, b, r, whole: bool = False,
+                        kept: dict | None = None) -> tuple[list, dict]:
     """The first stage's input is not differentiated, so its B has nothing to make: W
     runs the whole backward, reads every residual of the stage (no row space is free)
     and gets the stage output's cotangent as its crossing value (a Dense(32)+gelu,
@@ -232,7 +243,8 @@ def _first_stage_values(costs, b, r, whole: bool = False) -> tuple[list, dict]:
         return [], {}
     last = costs[b - 1]
     dtype = max(last.cross_by_dtype, key=last.cross_by_dtype.get, default="float32")
-    return [[dtype, float(last.out_bytes), True]], _kept_by_dtype(costs, 0, b, r, whole=whole)
+    return [[dtype, float(last.out_bytes), True]], _kept_by_dtype(costs, 0, b, r, whole=whole,
+                                                                  kept=kept)
 
 
 def _largest_residual(costs, r, ranges, whole) -> dict:
@@ -281,20 +293,22 @@ def _residual_share(c) -> float:
     return c.saved_bytes / total if total else 1.0
 
 
-def _transient(costs, a, b, r, whole: bool = False) -> float:
+def _transient(costs, a, b, r, whole: bool = False, kept: dict | None = None) -> float:
     """The largest residuals a recomputed layer of the stage re-materialises; recomputed
     whole, the residuals of all of its layers at once (its backward recomputes the stage,
-    then runs every layer's backward)."""
-    if whole:
-        kept = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
-        return float(sum(kept.values()) - _loss_bytes(costs, b))
+    then runs every layer's backward); under a policy, all of them but what it `kept`."""
+    if whole or kept is not None:
+        every = _kept_by_dtype(costs, a, b, np.zeros(len(costs), bool))
+        saved = sum(kept.values()) if kept is not None else 0.0
+        return float(max(sum(every.values()) - _loss_bytes(costs, b) - saved, 0.0))
     return float(max([max(c.saved_bytes - c.saved_bytes_remat, 0)
                       for i, c in enumerate(costs[a:b], a) if r[i]], default=0))
 
 
-def _checked(costs, boundaries, schedule, remat, whole_stage):
-    """(stage ranges, remat flags as a bool array, whole-stage flags as a bool array)
-    after checking the arguments agree."""
+def _checked(costs, boundaries, schedule, remat, whole_stage, policy_kept=None):
+    """(stage ranges, remat flags as a bool array, whole-stage flags as a bool array,
+    per stage a policy stage's kept residuals or None) after checking the arguments
+    agree."""
     L = len(costs)
     ranges = stage_ranges(boundaries, L)
     if schedule.num_stages != len(ranges):
@@ -307,17 +321,22 @@ def _checked(costs, boundaries, schedule, remat, whole_stage):
     if w.shape != (len(ranges),):
         raise ValueError(f"whole_stage needs one bool per stage ({len(ranges)}), got "
                          f"{np.size(w)}.")
-    return ranges, r, w
+    kept = [None] * len(ranges) if policy_kept is None else list(policy_kept)
+    if len(kept) != len(ranges):
+        raise ValueError(f"policy_kept needs one entry per stage ({len(ranges)}), got "
+                         f"{len(kept)}.")
+    return ranges, r, w, kept
 
 
-def _row_terms(costs, ranges, r, whole) -> tuple[np.ndarray, dict, np.ndarray]:
+def _row_terms(costs, ranges, r, whole, policy_kept) -> tuple[np.ndarray, dict, np.ndarray]:
     """(kept residuals per stage, the padded row: per dtype the largest stage's, working
     set beside the row per stage: transient + backward work)."""
-    by_dtype = [_kept_by_dtype(costs, a, b, r, whole=w) for (a, b), w in zip(ranges, whole)]
+    by_dtype = [_kept_by_dtype(costs, a, b, r, whole=w, kept=k)
+                for (a, b), w, k in zip(ranges, whole, policy_kept)]
     kept = np.array([sum(d.values()) for d in by_dtype])
     row = {k: max(d.get(k, 0.0) for d in by_dtype) for k in {k for d in by_dtype for k in d}}
-    work = np.array([_transient(costs, a, b, r, w) + _backward_work(costs, a, b)
-                     for (a, b), w in zip(ranges, whole)])
+    work = np.array([_transient(costs, a, b, r, w, k) + _backward_work(costs, a, b)
+                     for (a, b), w, k in zip(ranges, whole, policy_kept)])
     return kept, row, work
 
 
@@ -325,20 +344,23 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
                 remat: Sequence[bool] | None = None, *,
                 param_state_factor: float = 4, model: int = 1, zero_shards: int = 1,
                 optimizer_factor: float = 2,
-                whole_stage: Sequence[bool] | None = None) -> tuple[np.ndarray, float]:
+                whole_stage: Sequence[bool] | None = None,
+                policy_kept: Sequence[dict | None] | None = None) -> tuple[np.ndarray, float]:
     """SPMD model (module docstring): (per stage, the device bytes if every stage were
     like this one; the device bytes of the real program, >= the per-stage maximum).
     `schedule`: a `jaxhybrid.schedules.Schedule` (its slot counts size the buffers).
     model: tensor-parallel degree; zero_shards: data replicas the optimizer state
     (`optimizer_factor` x param bytes of the factor: Adam's 2 moments) is split over
     (ZeRO; 1 without), both applied by `_on_device`. whole_stage: per stage, recomputed
-    whole from its input (the runtime's stage-level remat="full"; None: no stage)."""
+    whole from its input (the runtime's stage-level remat="full"; None: no stage).
+    policy_kept: per stage, the kept residuals by dtype of a stage run under a
+    jax.checkpoint policy, or None (`pipeline.policy_memory`; None: no such stage)."""
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
-    ranges, r, whole = _checked(costs, boundaries, schedule, remat, whole_stage)
+    ranges, r, whole, pk = _checked(costs, boundaries, schedule, remat, whole_stage, policy_kept)
     fixed, rows = _spmd_terms(costs, ranges, schedule, param_state_factor)
-    kept, row, work = _row_terms(costs, ranges, r, whole)
-    cross = _cross_ring(costs, ranges, r, schedule, row, whole)
+    kept, row, work = _row_terms(costs, ranges, r, whole, pk)
+    cross = _cross_ring(costs, ranges, r, schedule, row, _as_whole(whole, pk), pk)
     return (fixed + cross + rows * kept + work,
             float(fixed + cross + rows * sum(row.values()) + work.max()))
 
@@ -347,16 +369,23 @@ def memory_terms(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule
                  remat: Sequence[bool] | None = None, *,
                  param_state_factor: float = 4, model: int = 1, zero_shards: int = 1,
                  optimizer_factor: float = 2,
-                 whole_stage: Sequence[bool] | None = None) -> dict:
+                 whole_stage: Sequence[bool] | None = None,
+                 policy_kept: Sequence[dict | None] | None = None) -> dict:
     """`spmd_memory`'s device bytes by term (module docstring), {name: bytes}; the values
     add up to `spmd_memory(...)[1]`."""
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
-    ranges, r, whole = _checked(costs, boundaries, schedule, remat, whole_stage)
-    _, by_dtype, work = _row_terms(costs, ranges, r, whole)
+    ranges, r, whole, pk = _checked(costs, boundaries, schedule, remat, whole_stage, policy_kept)
+    _, by_dtype, work = _row_terms(costs, ranges, r, whole, pk)
     row = float(sum(by_dtype.values()))
     terms = _fixed_terms(costs, ranges, schedule, param_state_factor)
     terms.update(stash=float(schedule.ring_slots()[1]["stash"] * row),
                  working=float(_working_rows(schedule) * row + work.max()),
-                 cross=_cross_ring(costs, ranges, r, schedule, by_dtype, whole))
+                 cross=_cross_ring(costs, ranges, r, schedule, by_dtype, _as_whole(whole, pk), pk))
     return terms
+
+
+def _as_whole(whole, policy_kept) -> np.ndarray:
+    """Per stage, whether its backward is one jax.checkpoint (recomputed whole or under a
+    policy): B runs it whole, so its crossing values are parameter gradients."""
+    return np.asarray([bool(w) or k is not None for w, k in zip(whole, policy_kept)])

@@ -72,10 +72,13 @@ class Plan:
     # Per stage, recomputed whole from its input (the runtime's stage-level remat="full":
     # its layers' remat entries are True too; None: no stage).
     whole_stage_remat: list[bool] | None = None
-    # Per stage, the jax.checkpoint_policies name it runs under (None: none; the memory
-    # and time models price such a stage as not recomputed). Held so that
+    # Per stage, the jax.checkpoint_policies name it runs under (None: none). Held so that
     # `Pipeline(plan=...)` runs it again (the policy was dropped, silently).
     stage_policy: list | None = None
+    # Per stage, the residuals (bytes by dtype) it keeps under its policy, as traced
+    # (`pipeline.policy_memory`): its memory is priced from them (None: not priced, as
+    # not recomputed); its time is priced as not recomputed.
+    stage_policy_kept: list | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -99,7 +102,7 @@ class Plan:
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
         for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu",
-                  "whole_stage_remat", "stage_policy"):
+                  "whole_stage_remat", "stage_policy", "stage_policy_kept"):
             if getattr(self, f) is not None and len(getattr(self, f)) != S:
                 raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
 
@@ -214,8 +217,13 @@ class Plan:
                 f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
                 f"{'whole' if (self.whole_stage_remat or [0] * S)[s] else sum(self.remat[a:b]):>5}"
                 f"  {devs}")
+        kept = self.stage_policy_kept or [None] * S
         for s, name in enumerate(self.stage_policy or ()):
-            if name:
+            if name and kept[s] is not None:
+                lines.append(f"  stage {s} runs under jax.checkpoint policy {name!r}: memory "
+                             f"priced with the {fmt_bytes(sum(kept[s].values()))} of residuals "
+                             f"it keeps, time as no recompute")
+            elif name:
                 lines.append(f"  stage {s} runs under jax.checkpoint policy {name!r} (not "
                              f"modelled: its time and memory are priced as no recompute)")
         lines.append(f"bottleneck {1e3 * self.bottleneck_time:.3f} ms/microbatch; predicted step "

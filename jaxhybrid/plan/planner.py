@@ -80,7 +80,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
               hardware=None, model: int = 1, zero_shards: int = 1,
               remat: Sequence[bool] | None = None,
-              whole_stage_remat: Sequence[bool] | None = None) -> Plan:
+              whole_stage_remat: Sequence[bool] | None = None,
+              policy_kept: Sequence[dict | None] | None = None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -97,7 +98,10 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     whole_stage_remat: one bool per stage, recomputed whole from its input (the runtime's
     stage-level remat="full": it keeps only that input); with `memory_budget` and
     neither given, stages recomputed whole are the last resort when no per-layer choice
-    fits.
+    fits. policy_kept: per stage, the kept residuals (bytes by dtype) of a stage the
+    runtime runs under a jax.checkpoint policy, or None (`pipeline.policy_memory`; needs
+    `boundaries`: they are those stages' residuals): its memory is priced from them, its
+    time as no recompute.
     objective: "bottleneck" (the least slowest stage, ties to the most even split),
     "alpa" (sum + (M - 1) x slowest stage) or "step" (the least predicted step,
     `fastest_cuts`: the schedule's fill and drain, the engine terms of `hardware`)."""
@@ -132,10 +136,14 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
     whole = _whole_stages(whole_stage_remat, S)
+    if policy_kept is not None and (boundaries is None or len(policy_kept) != S):
+        raise ValueError(f"make_plan: policy_kept needs the boundaries it was traced for and "
+                         f"one entry per stage ({S}), got "
+                         f"{'no boundaries' if boundaries is None else len(policy_kept)}.")
     priced = functools.partial(_priced_plan, costs, times, sched, data=int(data),
                                topology=topology, hardware=hardware, budget=budget,
                                objective=objective, param_state_factor=param_state_factor,
-                               shard=shard)
+                               shard=shard, policy_kept=policy_kept)
     if objective == "step" and boundaries is None:
         def step_time(c):
             c_sc = stage_costs(t, c, device_order=order, num_microbatches=M, **link)
@@ -177,7 +185,8 @@ def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
 
 
 def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, topology,
-                 hardware, budget, objective, param_state_factor, shard) -> Plan:
+                 hardware, budget, objective, param_state_factor, shard,
+                 policy_kept=None) -> Plan:
     """The Plan of these cuts, device order, stage costs `sc`, recomputation (`remat` per
     layer, `whole` per stage): its stage times, memory (`memory_model.spmd_memory`) and
     the engine terms its predicted step (`Plan.predicted_step`, the one step model) is
@@ -186,13 +195,15 @@ def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, to
     remat = [bool(r) or w for (a, b), w in zip(stage_ranges(cuts, len(costs)), whole)
              for r in remat[a:b]]
     mem, device_mem = spmd_memory(costs, cuts, sched, remat, param_state_factor=param_state_factor,
-                                  whole_stage=whole, **shard)
+                                  whole_stage=whole, policy_kept=policy_kept, **shard)
     engine, slots = _engine_fields(hardware, times, cuts, sched, data)
     S = sched.num_stages
     return Plan(num_layers=len(costs), boundaries=[int(b) for b in cuts], num_stages=S,
                 num_microbatches=sched.num_microbatches, schedule=sched.name, data=data,
                 device_order=None if order is None else [int(d) for d in order],
                 remat=[bool(r) for r in remat], whole_stage_remat=list(whole) if any(whole) else None,
+                stage_policy_kept=None if policy_kept is None else [
+                    None if k is None else {d: float(n) for d, n in k.items()} for k in policy_kept],
                 stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
                 stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
                 memory_budget=budget, objective=objective, microbatch_size=costs[0].batch_size,
