@@ -124,6 +124,13 @@ def test_explicit_plan_is_used_as_is():
             jp.Pipeline(LAYERS, mesh=mesh, plan=plan, **kwargs)
     with pytest.raises(ValueError, match="data=2"):
         jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=2, plan=plan)
+    # Another recomputation beside it ran that one while `pipe.plan` described (and
+    # priced) the plan's; the same one in another form is the plan's.
+    with pytest.raises(ValueError, match=r"plan= runs the plan as is, recomputing .* and "
+                                         r"remat='full' differs"):
+        jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, plan=plan, remat="full")
+    assert jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=2, plan=plan,
+                       remat="none").plan is plan
     # Its split reused under another schedule: as boundaries and remat.
     assert jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, schedule="gpipe",
                        boundaries=plan.boundaries, remat=plan.remat).boundaries == [1, 3, 5]

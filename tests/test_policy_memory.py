@@ -68,7 +68,27 @@ def test_policy_stages_are_priced_as_they_compile(measured):
     # the stage input alone (what remat="full" keeps).
     dots, nothing = (measured[r][0].stage_policy_kept for r in ("dots_saveable", "nothing_saveable"))
     assert all(sum(d.values()) > sum(n.values()) for d, n in zip(dots, nothing))
-    assert "memory priced with the" in measured["dots_saveable"][0].summary()
+    summary = measured["dots_saveable"][0].summary()
+    assert "memory priced with the" in summary and "pol" in summary
+
+
+def test_make_plan_holds_the_policies_it_prices():
+    """Called directly, make_plan priced policy stages but its plan named none: its
+    summary said nothing and Pipeline(plan=...) ran no policy."""
+    from jaxhybrid.plan import make_plan
+    from jaxhybrid.pipeline.planning import profile_cached
+    x = jnp.ones((8, 16))
+    costs = profile_cached(LAYERS, x)
+    kept = [None, {"float32": 64.0}]
+    plan = make_plan(costs, num_stages=2, num_microbatches=2, boundaries=[4],
+                     stage_policy=[None, "dots_saveable"], policy_kept=kept)
+    assert plan.stage_policy == [None, "dots_saveable"]
+    assert plan.pipeline_remat[1] == "dots_saveable"
+    with pytest.raises(ValueError, match="name each one's policy in stage_policy"):
+        make_plan(costs, num_stages=2, num_microbatches=2, boundaries=[4], policy_kept=kept)
+    with pytest.raises(ValueError, match="policy_kept needs the boundaries"):
+        make_plan(costs, num_stages=2, num_microbatches=2, stage_policy=[None, "dots_saveable"],
+                  policy_kept=kept)
 
 
 def test_a_split_backward_policy_stage_crosses_its_parameter_gradients():

@@ -1,7 +1,8 @@
 """Researchers' models that once failed to split: pieces with the same operations wired
 to different outputs (a ViT with a padding mask: one piece's cost record, reused for
-another, indexed outputs it did not have), and a value that crosses a cut after
-`stop_gradient` into a `while_loop` (reverse-mode differentiation of the loop failed)."""
+another, indexed outputs it did not have), and a value crossing a cut after
+`stop_gradient` into a `while_loop`, or out of a `while_loop` into `stop_gradient`
+(reverse-mode differentiation of the loop failed)."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -59,6 +60,27 @@ class PowerIteration(nn.Module):
         return nn.Dense(3)(nn.relu(nn.Dense(8)(z)))
 
 
+class LoopBody(nn.Module):
+    @nn.compact
+    def __call__(self, c):
+        i, h = c
+        return i + 1, jnp.tanh(nn.Dense(8, name="loopdense")(h))
+
+
+class StoppedLoop(nn.Module):
+    """A while_loop reading parameters whose result is used only under stop_gradient."""
+    def setup(self):
+        self.d0, self.body, self.d1 = nn.Dense(8), LoopBody(), nn.Dense(4)
+
+    def __call__(self, x):
+        h = self.d0(x)
+        if self.is_initializing():
+            self.body((0, h))
+        _, looped = nn.while_loop(lambda m, c: c[0] < 3, lambda m, c: m.body(c), self,
+                                  (jnp.int32(0), h))
+        return self.d1(h + jax.lax.stop_gradient(looped))
+
+
 def xent(logits, y):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1))
 
@@ -100,3 +122,16 @@ def test_a_stop_gradient_value_crossing_a_cut_into_a_while_loop(boundaries):
                        boundaries=boundaries, sample_inputs=x if boundaries else None,
                        remat="none")
     _check(pipe, model, native, x, t, mse)
+
+
+def test_every_cut_of_a_while_loop_used_only_under_stop_gradient():
+    x = jax.random.normal(jax.random.key(0), (8, 6))
+    t = jax.random.normal(jax.random.key(1), (8, 4))
+    model = StoppedLoop()
+    native = model.init(jax.random.key(5), x)
+    split = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                        sample_inputs=x).splitter.split
+    for boundaries in [None] + [[k] for k in range(1, split.num_pieces)]:
+        pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=1, pipe=2), num_microbatches=2,
+                           boundaries=boundaries, sample_inputs=x, remat="none")
+        _check(pipe, model, native, x, t, mse)

@@ -143,6 +143,12 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                              "per layer, or per stage 'full' / 'none' / a policy.")
         self._set_layout(even_boundaries(L, S) if boundaries is None
                          else check_boundaries(boundaries, L, S), remat)
+        if plan is not None and self.programs != self._stage_programs(plan.pipeline_remat):
+            # It ran the remat given while `pipe.plan` described (and priced) the plan's.
+            raise ValueError(f"Pipeline: plan= runs the plan as is, recomputing "
+                             f"{plan.pipeline_remat!r}, and remat={remat!r} differs; drop "
+                             f"remat=, or reuse the plan's split with "
+                             f"boundaries=plan.boundaries, remat={remat!r} instead of plan=.")
         if self.splitter is not None:
             self.value_and_grad = self.splitter.wrap_value_and_grad(self, self.value_and_grad)
             self.train_step = self.splitter.wrap_train_step(self, self.train_step)

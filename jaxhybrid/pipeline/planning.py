@@ -31,12 +31,13 @@ class PipelinePlanning:
                   model=self.model, zero_shards=self.data if self.zero else 1,
                   hardware=stored_hardware(), remat=self._planned_remat(),
                   whole_stage_remat=self._planned_whole_stages(),
-                  param_state_factor=self.param_state_factor)
+                  param_state_factor=self.param_state_factor, stage_policy=[
+                      p.stage_remat if p.stage_remat not in ("none", "full") else None
+                      for p in self.programs])
         plan = planner.make_plan(
             costs, memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, **kw)
-        policies = [p.stage_remat if p.stage_remat not in ("none", "full") else None
-                    for p in self.programs]
+        policies = kw["stage_policy"]
         if any(policies) and self.model == 1:
             # Stages under a jax.checkpoint policy: their memory from the residuals the
             # policy keeps, traced on the cuts made (a device's share of a tensor-parallel
@@ -46,8 +47,6 @@ class PipelinePlanning:
                 costs, boundaries=plan.boundaries, device_order=plan.device_order,
                 policy_kept=policy_kept(self.layers, self._sample, plan.stage_ranges,
                                         policies), **kw)
-        if any(policies):   # run again by Pipeline(plan=...)
-            plan.stage_policy = policies
         return plan
 
     def _planned_remat(self) -> list | None:

@@ -215,7 +215,7 @@ class Plan:
                 f"{s:>5} {f'{a}-{b - 1}':>9} {names[:28]:<28} {1e3 * self.stage_fwd_time[s]:>8.3f} "
                 f"{1e3 * self.stage_bwd_time[s]:>8.3f} {1e3 * self.stage_transfer_time[s]:>8.3f} "
                 f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
-                f"{'whole' if (self.whole_stage_remat or [0] * S)[s] else sum(self.remat[a:b]):>5}"
+                f"{self._stage_remat_column(s, a, b):>5}"
                 f"  {devs}")
         kept = self.stage_policy_kept or [None] * S
         for s, name in enumerate(self.stage_policy or ()):
@@ -230,6 +230,15 @@ class Plan:
                      f"{1e3 * self.predicted_step_time:.3f} ms; bubble {self.bubble_fraction:.3f}; "
                      f"boundaries {self.boundaries}")
         return "\n".join(lines)
+
+    def _stage_remat_column(self, s: int, a: int, b: int) -> str:
+        """The summary's remat column: "whole", "pol" (a checkpoint policy, named below)
+        or the number of layers recomputed."""
+        if (self.whole_stage_remat or [False] * self.num_stages)[s]:
+            return "whole"
+        if (self.stage_policy or [None] * self.num_stages)[s]:
+            return "pol"
+        return str(sum(self.remat[a:b]))
 
     def __str__(self) -> str:
         return self.summary()
@@ -317,7 +326,7 @@ class Plan:
             axm.axvline(self.memory_budget / scale, color="k", linestyle="--", label="budget")
         if self.memory_budget or self.device_memory is not None:
             axm.legend(loc="lower right", fontsize=7)
-        axm.set_yticks(range(S), [f"stage {s}: {sum(self.remat[a:b])} remat"
+        axm.set_yticks(range(S), [f"stage {s}: {self._stage_remat_column(s, a, b)} remat"
                                   for s, (a, b) in enumerate(self.stage_ranges)])
         axm.invert_yaxis()
         axm.set_xlabel(f"memory per device ({unit})")

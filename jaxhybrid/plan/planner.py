@@ -81,6 +81,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               hardware=None, model: int = 1, zero_shards: int = 1,
               remat: Sequence[bool] | None = None,
               whole_stage_remat: Sequence[bool] | None = None,
+              stage_policy: Sequence[str | None] | None = None,
               policy_kept: Sequence[dict | None] | None = None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
@@ -98,10 +99,11 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     whole_stage_remat: one bool per stage, recomputed whole from its input (the runtime's
     stage-level remat="full": it keeps only that input); with `memory_budget` and
     neither given, stages recomputed whole are the last resort when no per-layer choice
-    fits. policy_kept: per stage, the kept residuals (bytes by dtype) of a stage the
-    runtime runs under a jax.checkpoint policy, or None (`pipeline.policy_memory`; needs
-    `boundaries`: they are those stages' residuals): its memory is priced from them, its
-    time as no recompute.
+    fits. stage_policy: per stage, the jax.checkpoint_policies name it runs under, or None
+    (`Plan.stage_policy`: `Pipeline(plan=...)` runs it again); policy_kept: per such
+    stage, the residuals it keeps (bytes by dtype, `pipeline.policy_memory`; needs
+    `boundaries`: they are those stages' residuals), its memory priced from them (else
+    as no recompute); its time is priced as no recompute.
     objective: "bottleneck" (the least slowest stage, ties to the most even split),
     "alpa" (sum + (M - 1) x slowest stage) or "step" (the least predicted step,
     `fastest_cuts`: the schedule's fill and drain, the engine terms of `hardware`)."""
@@ -136,14 +138,11 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
     whole = _whole_stages(whole_stage_remat, S)
-    if policy_kept is not None and (boundaries is None or len(policy_kept) != S):
-        raise ValueError(f"make_plan: policy_kept needs the boundaries it was traced for and "
-                         f"one entry per stage ({S}), got "
-                         f"{'no boundaries' if boundaries is None else len(policy_kept)}.")
+    _check_policies(stage_policy, policy_kept, boundaries, S)
     priced = functools.partial(_priced_plan, costs, times, sched, data=int(data),
                                topology=topology, hardware=hardware, budget=budget,
                                objective=objective, param_state_factor=param_state_factor,
-                               shard=shard, policy_kept=policy_kept)
+                               shard=shard, stage_policy=stage_policy, policy_kept=policy_kept)
     if objective == "step" and boundaries is None:
         def step_time(c):
             c_sc = stage_costs(t, c, device_order=order, num_microbatches=M, **link)
@@ -175,6 +174,22 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     return priced(cuts, order, sc, remat, whole)
 
 
+def _check_policies(stage_policy, policy_kept, boundaries, S: int) -> None:
+    if stage_policy is not None and len(stage_policy) != S:
+        raise ValueError(f"make_plan: stage_policy has {len(stage_policy)} entries, one per "
+                         f"stage ({S}).")
+    if policy_kept is None:
+        return
+    if boundaries is None or len(policy_kept) != S:
+        raise ValueError(f"make_plan: policy_kept needs the boundaries it was traced for and "
+                         f"one entry per stage ({S}), got "
+                         f"{'no boundaries' if boundaries is None else len(policy_kept)}.")
+    named = stage_policy or [None] * S
+    if any(k is not None and not p for k, p in zip(policy_kept, named)):
+        raise ValueError("make_plan: policy_kept prices stages under a policy: name each "
+                         "one's policy in stage_policy (the plan runs it again).")
+
+
 def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
     if whole_stage_remat is None:
         return [False] * S
@@ -186,7 +201,7 @@ def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
 
 def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, topology,
                  hardware, budget, objective, param_state_factor, shard,
-                 policy_kept=None) -> Plan:
+                 stage_policy=None, policy_kept=None) -> Plan:
     """The Plan of these cuts, device order, stage costs `sc`, recomputation (`remat` per
     layer, `whole` per stage): its stage times, memory (`memory_model.spmd_memory`) and
     the engine terms its predicted step (`Plan.predicted_step`, the one step model) is
@@ -202,6 +217,7 @@ def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, to
                 num_microbatches=sched.num_microbatches, schedule=sched.name, data=data,
                 device_order=None if order is None else [int(d) for d in order],
                 remat=[bool(r) for r in remat], whole_stage_remat=list(whole) if any(whole) else None,
+                stage_policy=list(stage_policy) if stage_policy and any(stage_policy) else None,
                 stage_policy_kept=None if policy_kept is None else [
                     None if k is None else {d: float(n) for d, n in k.items()} for k in policy_kept],
                 stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),

@@ -71,15 +71,16 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
     peak_flops, bandwidth = device_peak()
     batch = int(np.shape(jax.tree.leaves(sample)[0])[0])
     out, seen, stashed_by = [], {}, {}
-    none = without_gradient(prog, segs)
+    none = without_gradient(prog, segs, t.y_ids)
     for k, seg in enumerate(segs):
         var_ids = list(seg.reads.values())
         in_ids = [i for i in seg.live_in if i in prog.avals]
         outs = t.y_ids if k == len(segs) - 1 else seg.live_out
         outs = [i for i in outs if i not in prog.consts]
         args = var_ids + in_ids
-        # As the pipeline differentiates the piece: not the model's input, nor a value no
-        # gradient can reach (`cuts.without_gradient`; run_piece stop_gradients it).
+        # As the pipeline differentiates the piece: not the model's input, nor a value
+        # without part in the gradient (`cuts.without_gradient`; run_piece
+        # stop_gradients it where it enters or leaves a piece).
         diff = [n for n, i in enumerate(args) if is_float(prog.avals[i])
                 and (k > 0 or i not in t.x_ids) and i not in none]
 
@@ -88,7 +89,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             env.update(zip(_args, vals))
             for unit in _seg.units:
                 unit.run(env)
-            return [env[i] for i in _outs]
+            return [jax.lax.stop_gradient(env[i]) if i in none else env[i] for i in _outs]
 
         def fwd_bwd(*vals, _fwd=fwd, _diff=diff):
             def f(*d):

@@ -65,25 +65,38 @@ class Unit:
             env[out] = jax.numpy.concatenate([env[c] for c in chunks], axis=0)
 
 
-def without_gradient(prog, segs) -> frozenset:
-    """Ids of the float values the pieces make (`segs`, in order) that no gradient can
-    reach: made from no value that depends on the model's inputs or variables, or only
-    through `stop_gradient`. Such a value crossing a cut (a stop_gradient'ed carry of a
-    power iteration) is stop_gradient'ed again where a piece receives it: seen as a plain
-    input, reverse-mode differentiation went into the `while_loop` it feeds, which jax
-    cannot differentiate. Values of unknown origin are taken as differentiable."""
+def without_gradient(prog, segs, outputs) -> frozenset:
+    """Ids of the float values the pieces make (`segs`, in order) that take no part in
+    the gradient: none can reach them (made from no value that depends on the model's
+    inputs or variables, or only through `stop_gradient`), or none can leave them (every
+    path from them to the model's `outputs` goes through `stop_gradient`). Such a value
+    crossing a cut is stop_gradient'ed where a piece makes it and where one receives it:
+    a stop_gradient'ed power iteration's carry, or a `while_loop` result used only under
+    `stop_gradient` further on, was differentiated as a plain input or output of a piece,
+    into the `while_loop`, which jax cannot differentiate. Values of unknown origin or use
+    are taken as taking part."""
     floating = lambda i: jax.numpy.issubdtype(prog.avals[i].dtype, jax.numpy.inexact)  # noqa: E731
-    diff = set(prog.invars)
+    units = [u for seg in segs for u in seg.units]
+    reached = set(prog.invars)
     for seg in segs:
-        diff.update(seg.reads.values())
-    none = set()
-    for seg in segs:
-        for u in seg.units:
-            made = u.op.name != "stop_gradient" and any(i in diff for i in u.ins)
-            (diff if made else none).update(o for o in u.outs if floating(o))
-            for out, chunks in u.concat:
-                (diff if any(c in diff for c in chunks) else none).add(out)
-    return frozenset(none - diff)
+        reached.update(seg.reads.values())
+    made, unreached = set(), set()
+    for u in units:
+        part = u.op.name != "stop_gradient" and any(i in reached for i in u.ins)
+        (reached if part else unreached).update(o for o in u.outs if floating(o))
+        made.update(u.outs)
+        for out, chunks in u.concat:
+            (reached if any(c in reached for c in chunks) else unreached).add(out)
+            made.add(out)
+    leaves = set(outputs)   # values a cotangent comes back to
+    for u in reversed(units):
+        for out, chunks in u.concat:
+            if out in leaves:
+                leaves.update(chunks)
+        if u.op.name != "stop_gradient" and any(o in leaves for o in u.outs):
+            leaves.update(u.ins)
+    unused = {i for i in made if floating(i) and i not in leaves}
+    return frozenset((unreached - reached) | unused)
 
 
 @dataclasses.dataclass

@@ -278,14 +278,10 @@ class SplitModel:
             if seg.needs_key:
                 env[t.key_id] = _dropout_key(module)
         else:
-            key = ("without_gradient", str(x_abs), train)
-            if key not in self._cache:
-                self._cache[key] = C.without_gradient(t.prog, segs)
-            none = self._cache[key]
             for i, v in zip(seg.live_in, leaves):
                 v = _from_wire(v, t.prog.avals[i])
-                # No gradient can reach it: say so to jax (`cuts.without_gradient`).
-                env[i] = jax.lax.stop_gradient(v) if i in none else v
+                # No part in the gradient: say so to jax (`cuts.without_gradient`).
+                env[i] = jax.lax.stop_gradient(v) if i in self._without_gradient(t, segs) else v
         for unit in seg.units:
             unit.run(env)
         if train:
@@ -293,7 +289,16 @@ class SplitModel:
                 module.put_variable(*self.var_name((j, None, None)), env[i])
         if last:
             return jax.tree.unflatten(t.y_tree, [env[i] for i in t.y_ids])
-        return markers, tuple(_to_wire(env[i], t.prog.avals[i]) for i in seg.live_out)
+        none = self._without_gradient(t, segs)
+        return markers, tuple(_to_wire(jax.lax.stop_gradient(env[i]) if i in none else env[i],
+                                       t.prog.avals[i]) for i in seg.live_out)
+
+    def _without_gradient(self, t, segs) -> frozenset:
+        """`cuts.without_gradient` of these segments, once."""
+        key = ("without_gradient", id(segs))
+        if key not in self._cache:
+            self._cache[key] = (segs, C.without_gradient(t.prog, segs, t.y_ids))
+        return self._cache[key][1]
 
     # --- variables -----------------------------------------------------------------
     def init_variables(self, rng, sample_inputs):
