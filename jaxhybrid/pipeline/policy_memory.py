@@ -4,9 +4,9 @@
 runs a stage's layers inside one `jax.checkpoint(policy=...)`: its backward keeps what the
 policy saves (the stage's input, and e.g. the outputs of its matmuls) and recomputes the
 rest. Which values those are depends on the layers' programs, not on per-layer profiles,
-so they are traced here as the runtime traces the stage (`StageProgram.apply` under
-`jax.vjp`, the same `Residuals` split and `Derivation` of what is cheap to recompute;
-abstractly, nothing runs) and handed to the memory model
+so they are traced here by the runtime's own stage forward (`layouts.stage_forward`:
+`StageProgram.apply` under `jax.vjp`, the `Residuals` split, then the `Derivation` of what
+is cheap to recompute; abstractly, nothing runs) and handed to the memory model
 (`plan.memory_model.spmd_memory(policy_kept=...)`).
 """
 from __future__ import annotations
@@ -19,7 +19,9 @@ import jax.numpy as jnp
 
 from jaxhybrid.layers import init_layer
 from jaxhybrid.pipeline.backward import Residuals
-from jaxhybrid.pipeline.stages import StageProgram, merge_float, split_float
+from jaxhybrid.pipeline.layouts import stage_forward
+from jaxhybrid.pipeline.runtime import Stage
+from jaxhybrid.pipeline.stages import StageProgram
 from jaxhybrid.plan.residuals import bytes_by_dtype
 
 
@@ -41,32 +43,24 @@ def policy_stage_kept(layers: Sequence, per_layer: Sequence[dict], x, start: int
     """Bytes by dtype the engine stashes for stage [start, stop) run under `policy` on
     input `x` (abstract per-layer variables `per_layer`, all layers'): its kept
     residuals, less the parameters (re-read from the stage buffers) and what the backward
-    recomputes cheaply, as `pipeline.layouts.stage_layouts` finds them. The first
-    stage's input gets no gradient, as in the runtime."""
+    recomputes cheaply, as `pipeline.layouts.stage_layouts` finds them (the first stage's
+    input gets no gradient; the loss's residuals are the memory model's to add)."""
     program = StageProgram(index=0, start=start, stop=stop, stage_remat=policy)
     params = [dict(v).get("params", {}) for v in per_layer[start:stop]]
     state = [{c: t for c, t in dict(v).items() if c != "params"} for v in per_layer[start:stop]]
+    stage = Stage(apply=functools.partial(program.apply, layers), params=None, state={},
+                  abstract_params=params, abstract_state=state)
     residuals = Residuals()
 
     def run(p, st, x, key):
-        xf, xi, mask = split_float(x)
-        xdef = jax.tree.structure(x)
-
-        def f(p, xf):
-            y, _ = program.apply(layers, p, st, merge_float(xdef, mask, xf, xi), train=True,
-                                 rng=key, microbatch=0)
-            return split_float(y)[0]
-
-        if start == 0:
-            out, vjp_fn = jax.vjp(lambda p: f(p, xf), p)
-        else:
-            out, vjp_fn = jax.vjp(f, p, xf)
-        return out, residuals.split(0, vjp_fn, p)
+        out, kept, _, _ = stage_forward(stage, start, False, p, st, x, None, key, 0, None, 1,
+                                        True, residuals)
+        return out, kept
 
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     closed, (out, kept) = jax.make_jaxpr(run, return_shape=True)(params, state, x, key)
     n = len(jax.tree.leaves(out))
-    stash = residuals.derive(0, closed, closed.jaxpr.outvars[n:n + len(kept)]).stash
+    stash = residuals.derive(start, closed, closed.jaxpr.outvars[n:n + len(kept)]).stash
     return bytes_by_dtype([kept[i] for i in stash])
 
 

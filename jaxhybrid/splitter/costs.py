@@ -35,7 +35,6 @@ from jaxhybrid.plan import costs as plan_costs
 from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
                                      stashed_bytes, stashed_io, whole_values)
-from jaxhybrid.splitter.cuts import without_gradient
 
 
 _FORMAT = "piece-4"   # on-disk records: 2 added the stashed residuals, 3 backward temporaries,
@@ -71,7 +70,7 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
     peak_flops, bandwidth = device_peak()
     batch = int(np.shape(jax.tree.leaves(sample)[0])[0])
     out, seen, stashed_by = [], {}, {}
-    none = without_gradient(prog, segs, t.y_ids)
+    none = split.without_gradient(t, segs)
     for k, seg in enumerate(segs):
         var_ids = list(seg.reads.values())
         in_ids = [i for i in seg.live_in if i in prog.avals]

@@ -262,6 +262,7 @@ class SplitModel:
             dtype = self._marker_dtype(train, k)
             markers = tuple(jnp.zeros((*l.shape, 0), dtype) for l in jax.tree.leaves(x_abs))
         seg = segs[k]
+        none = self.without_gradient(t, segs)
         env = dict(t.prog.consts)
         for key in self.piece_keys[k]:
             coll, name = self.var_name(key)
@@ -281,7 +282,7 @@ class SplitModel:
             for i, v in zip(seg.live_in, leaves):
                 v = _from_wire(v, t.prog.avals[i])
                 # No part in the gradient: say so to jax (`cuts.without_gradient`).
-                env[i] = jax.lax.stop_gradient(v) if i in self._without_gradient(t, segs) else v
+                env[i] = jax.lax.stop_gradient(v) if i in none else v
         for unit in seg.units:
             unit.run(env)
         if train:
@@ -289,12 +290,12 @@ class SplitModel:
                 module.put_variable(*self.var_name((j, None, None)), env[i])
         if last:
             return jax.tree.unflatten(t.y_tree, [env[i] for i in t.y_ids])
-        none = self._without_gradient(t, segs)
         return markers, tuple(_to_wire(jax.lax.stop_gradient(env[i]) if i in none else env[i],
                                        t.prog.avals[i]) for i in seg.live_out)
 
-    def _without_gradient(self, t, segs) -> frozenset:
-        """`cuts.without_gradient` of these segments, once."""
+    def without_gradient(self, t, segs) -> frozenset:
+        """`cuts.without_gradient` of these segments (`_segments`), once: for the pieces
+        and their costs (`splitter.costs`)."""
         key = ("without_gradient", id(segs))
         if key not in self._cache:
             self._cache[key] = (segs, C.without_gradient(t.prog, segs, t.y_ids))
