@@ -23,9 +23,13 @@ def learning_rate_schedule(t, updates_per_step: int = 1) -> optax.Schedule:
         0.0, t.learning_rate, t.warmup_steps * u, max(t.steps * u, t.warmup_steps * u + 1), 0.0)
 
 
-def _masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
-    # optax.masked wants one bool per leaf; a packed buffer mixes kernels and biases,
-    # so the mask is itself a packed buffer (1.0 where a leaf decays).
+def masked_weight_decay(rate: float, mask) -> optax.GradientTransformation:
+    """optax.add_decayed_weights(rate) where `mask` (packed like the parameters, e.g.
+    `weight_decay_mask(pipe, variables)`) is 1.0, on the packed gradients outside the
+    pipeline: `optax.chain(optax.scale_by_adam(), masked_weight_decay(0.1, mask),
+    optax.scale(-lr))` is adamw with a mask. optax.masked (and adamw(mask=)) wants one
+    bool per leaf and a packed buffer mixes kernels and biases ("The truth value of an
+    array ... is ambiguous"), so this mask is itself a packed buffer; None decays all."""
     def update(updates, state, params):
         if mask is None:                  # no mask: decay everything
             return jax.tree.map(lambda g, p: g + rate * p, updates, params), state
@@ -64,7 +68,7 @@ def make_optimizer(t, decay_mask=None, copy_weights=None,
     if t.optimizer == "adamw":
         parts.append(optax.scale_by_adam())
     if t.weight_decay > 0:
-        parts.append(_masked_weight_decay(t.weight_decay, decay_mask))
+        parts.append(masked_weight_decay(t.weight_decay, decay_mask))
     if t.optimizer == "sgd" and t.momentum > 0:
         parts.append(optax.trace(decay=t.momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate_schedule(t, updates_per_step)))

@@ -54,6 +54,22 @@ def test_async_bench_prints_the_study_table(tmp_path):
     assert re.search(r"staleness per stage \[1, 0\]", r.stdout)
 
 
+def test_plan_bench_prints_the_policy_table():
+    r = subprocess.run([sys.executable, BENCH, "plan", "--sections=policy", "--policy_width=16",
+                        "--policy_microbatch=8", "--repeats=1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    num = r"[\d.]+"
+    assert re.search(rf"^\s+none\s+{num}\s+1\.000\s+1\.000\s+-$", r.stdout, re.M), r.stdout
+    # nothing_saveable runs each stage's forward again, as full does (priced alike, but
+    # for the last Dense, whose output no backward reads).
+    again = re.search(rf"^\s+nothing_saveable\s+{num}\s+{num}\s+({num})\s+(.+)$", r.stdout, re.M)
+    full = re.search(rf"^\s+full\s+{num}\s+{num}\s+({num})\s+-$", r.stdout, re.M)
+    assert again and full and float(full.group(1)) > 1.2
+    assert abs(float(again.group(1)) / float(full.group(1)) - 1) < 0.02
+    assert re.search(rf"^\s+dots_saveable\s+{num}\s+{num}\s+{num}\s+0\.\d\d, ", r.stdout, re.M)
+
+
 def test_collectives_bench_prints_every_variant():
     r = subprocess.run([sys.executable, BENCH, "collectives", "--devices=2", "--widths=16",
                         "--microbatches=2,4", "--ticks=3", "--repeats=1"],

@@ -11,7 +11,7 @@ place of the config's, if given), with the planner's boundaries and no recomputa
 `jax.checkpoint`, as the planner's recomputation choices run; --remat=full: the
 runtime's stage-level remat="full", each stage recomputed whole from its input;
 --remat=<a jax.checkpoint_policies name>: every stage under that policy, priced from the
-residuals it keeps, `pipeline.policy_memory`):
+residuals it keeps, `pipeline.policy_costs`):
 
   predicted  the planner's memory model of the engine (`plan.memory_model.memory_terms`, the
              terms `spmd_memory` adds up: what `make_plan`, `remat="auto"` and the

@@ -22,6 +22,9 @@ Prints (never asserts):
              (`memory_analysis()` of the real pipeline step; `cost_analysis()` of each
              stage's backward with the same jax.checkpoint choices).
   speed      planning time of 1,000 random layers into 64 stages (best of --repeats).
+  policy     a stage's forward + backward under jax.checkpoint policies, priced by the plan
+             and measured, against no recompute (`bench.policy_time`; not in the default
+             sections: python scripts/bench.py plan --sections=policy).
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ flags.DEFINE_integer("remat_microbatch", 16, "microbatch of the remat figures (p
                      "scaled linearly): large enough that activations, not parameters, dominate.")
 flags.DEFINE_list("remat_modes", "none,full,auto", "remat settings compiled (also: layers).")
 flags.DEFINE_integer("speed_layers", 1000, "layers of the planning-speed instance.")
+flags.DEFINE_integer("policy_width", 256, "width of the policy section's blocks.")
+flags.DEFINE_integer("policy_microbatch", 64, "microbatch of the policy section.")
 flags.DEFINE_integer("speed_stages", 64, "stages of the planning-speed instance.")
 flags.DEFINE_integer("repeats", 3, "runs of the speed figure (best and median).")
 
@@ -359,10 +364,10 @@ def speed(L: int, S: int, repeats: int) -> tuple[float, float]:
 def main(argv) -> None:
     del argv
     sections = set(FLAGS.sections)
-    unknown = sections - {"partition", "mapping", "remat", "speed"}
+    unknown = sections - {"partition", "mapping", "remat", "speed", "policy"}
     if unknown:
         raise SystemExit(f"bench plan: unknown sections {sorted(unknown)}; choose from "
-                         f"partition, mapping, remat, speed.")
+                         f"partition, mapping, remat, speed, policy.")
     print("Timings are wall-clock on this host, shared with other work: upper bounds.")
     if "partition" in sections or "mapping" in sections:
         ref = reference_inception(FLAGS.ref_microbatch, FLAGS.hardware)
@@ -389,6 +394,11 @@ def main(argv) -> None:
         med, best = speed(FLAGS.speed_layers, FLAGS.speed_stages, FLAGS.repeats)
         print(f"\n== speed: partition of {FLAGS.speed_layers} layers into {FLAGS.speed_stages} "
               f"stages: best {best:.3f} s (median {med:.3f} s) of {FLAGS.repeats} runs ==")
+    if "policy" in sections:
+        from jaxhybrid.bench.policy_time import policy_rows, print_policy
+        print("\n== checkpoint policies: the backward's recomputation, priced and measured ==")
+        rows = policy_rows(FLAGS.policy_width, FLAGS.policy_microbatch, 4 * FLAGS.repeats)
+        print_policy(rows, FLAGS.policy_width, FLAGS.policy_microbatch)
 
 
 if __name__ == "__main__":

@@ -229,6 +229,7 @@ def init_on_packed(init, params):
         raise ValueError(f"Pipeline: the optimizer's init failed on the packed parameters "
                          f"{shapes} ({str(e).splitlines()[0]}); in the pipeline it sees packed "
                          f"buffers, not per-layer trees: pack a mask or label tree like them "
-                         f"(as jaxhybrid.optim.weight_decay_mask does, for an optimizer "
-                         f"applied outside the pipeline) or make it a function of the packed "
-                         f"tree.") from e
+                         f"(a weight-decay mask: jaxhybrid.optim.masked_weight_decay(rate, "
+                         f"jaxhybrid.optim.weight_decay_mask(pipe, variables)), for an "
+                         f"optimizer applied outside the pipeline) or make it a function of "
+                         f"the packed tree.") from e

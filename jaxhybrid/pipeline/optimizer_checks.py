@@ -15,6 +15,7 @@ skips, so only an update that reads other leaves' gradients is refused.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +35,15 @@ _NOT_PER_ELEMENT = (
     "and silently differ from the unsplit model; use pipe.value_and_grad and apply it "
     "outside, to the packed gradients (global norms are the model's) or to "
     "pipe.unpack(grads) (per layer).")
+_UNCHECKED = (
+    "Pipeline: the optimizer was built from traced values (e.g. a learning rate traced "
+    "by jax.jit, vmap or grad), so train_step cannot check that it acts per element: a "
+    "global-norm clip, lamb or a mask by names or sizes would silently differ from the "
+    "unsplit model. Build it outside the jit (a traced learning rate can go through "
+    "optax.inject_hyperparams' state), or use pipe.value_and_grad and apply it outside.")
+# What the probe meets when the optimizer holds traced values.
+_TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+           jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
 _BY_SHAPES = (
     "Pipeline: this optimizer acts by the parameters' shapes (e.g. a weight-decay mask like "
     "lambda p: jax.tree.map(lambda a: a.ndim > 1, p)): in train_step it sees packed "
@@ -47,13 +57,16 @@ def check_per_element(optimizer, param_len: dict) -> None:
     the whole over five updates (the first with one half 1e6 times larger, so that any
     clip bites) and once with a non-finite gradient in one half; the same numbers as 2-D
     buffers, under parameter names and inside a large buffer. A probe the optimizer
-    cannot run on these small arrays (its own checks) is left to the real call."""
+    cannot run on these small arrays (its own checks) is left to the real call; one
+    built from traced values (inside jax.jit) cannot be probed, and a warning says so."""
     require_transformation(optimizer, "Pipeline",
                            "; for gradients alone use pipe.value_and_grad(loss_fn)")
     _check_on_device_buffers(optimizer, param_len)
     keys = sorted(param_len)
     try:
         runs = _probe_runs(optimizer, keys)
+    except _TRACED:   # (TypeErrors too)
+        runs = None
     except TypeError as e:
         if "required keyword-only argument" in str(e):   # e.g. value= (reduce_on_plateau)
             raise ValueError(f"Pipeline: the optimizer's update needs extra arguments ({e}); "
@@ -62,8 +75,12 @@ def check_per_element(optimizer, param_len: dict) -> None:
         return
     except Exception:   # noqa: BLE001 - see the docstring
         return
-    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(runs)):
-        return   # built from traced values (a hypergradient's learning rate): no numbers
+    if runs is None or any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(runs)):
+        # Built from traced values (a learning rate passed into jax.jit, a vmapped sweep,
+        # a hypergradient): the probe has no numbers to compare. A global-norm clip built
+        # so ran per device and silently differed from the unsplit model.
+        warnings.warn(_UNCHECKED, stacklevel=3)
+        return
     _check_elementwise(runs, keys)
     _check_names_and_sizes(runs, keys)
 
@@ -174,7 +191,8 @@ def _check_on_device_buffers(optimizer, param_len: dict) -> None:
     buffers = {k: jax.ShapeDtypeStruct((n,), dtype_of(k)) for k, n in param_len.items()}
     fix = ("train_step runs the optimizer on each device's packed buffers, not per-layer "
            "trees; use pipe.value_and_grad and apply the optimizer outside (as "
-           "scripts/train.py does, with jaxhybrid.optim.weight_decay_mask for a mask)")
+           "scripts/train.py does; a weight-decay mask: jaxhybrid.optim.masked_weight_decay("
+           "rate, jaxhybrid.optim.weight_decay_mask(pipe, variables)) in an optax.chain)")
     try:
         state = jax.eval_shape(optimizer.init, buffers)
         updates, new_state = jax.eval_shape(optimizer.update, buffers, state, buffers)

@@ -40,13 +40,14 @@ class PipelinePlanning:
         policies = kw["stage_policy"]
         if any(policies) and self.model == 1:
             # Stages under a jax.checkpoint policy: their memory from the residuals the
-            # policy keeps, traced on the cuts made (a device's share of a tensor-parallel
-            # layer is not traced: with model > 1 they stay priced as not recomputed).
-            from jaxhybrid.pipeline.policy_memory import policy_kept
+            # policy keeps and their backward's time from what it runs again, traced on
+            # the cuts made (a device's share of a tensor-parallel layer is not traced:
+            # with model > 1 they stay priced as not recomputed).
+            from jaxhybrid.pipeline.policy_costs import policy_costs
+            kept, again = policy_costs(self.layers, self._sample, plan.stage_ranges, policies)
             plan = planner.make_plan(
                 costs, boundaries=plan.boundaries, device_order=plan.device_order,
-                policy_kept=policy_kept(self.layers, self._sample, plan.stage_ranges,
-                                        policies), **kw)
+                policy_kept=kept, policy_recompute=again, **kw)
         return plan
 
     def _planned_remat(self) -> list | None:
@@ -55,7 +56,7 @@ class PipelinePlanning:
         A stage recomputed whole is `_planned_whole_stages` (make_plan marks its layers
         for whatever cuts it picks: flags taken from the even split standing in before
         planning described other stages than ran); a stage under a jax.checkpoint policy
-        has no recompute flags (its memory is `policy_memory`'s, its time not recomputed's)."""
+        has no recompute flags (its memory and recompute time are `policy_costs`')."""
         if isinstance(self.remat, str) and self.remat in ("auto", "none"):
             return None
         return [bool(r) for prog in self.programs for r in prog.layer_remat]
@@ -73,7 +74,7 @@ class PipelinePlanning:
         """The plan in use (boundaries, remat per layer, predicted per-stage time/memory):
         the user's remat when given ('full', one bool per layer, or per stage 'none' /
         'full'; a stage's jax.checkpoint policy in `plan.stage_policy`, its memory priced
-        from the residuals the policy keeps, its time as not recomputed)."""
+        from the residuals the policy keeps, its time with what its backward runs again)."""
         if self._plan is None:
             if self._sample is None:
                 raise ValueError("Pipeline.plan: call pipe.init(rng, sample_inputs) first (the "

@@ -89,7 +89,9 @@ def _count(tree) -> int:
     return int(sum(int(np.prod(np.shape(l))) for l in jax.tree.leaves(tree)))
 
 
-def _xla_cost(compiled) -> tuple[float, float]:
+def xla_cost(compiled) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) of XLA's cost analysis of a compiled or lowered function
+    (lowered: before XLA's passes, so a jax.checkpoint's recomputation is still there)."""
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):   # older jax returned one dict per computation
         ca = ca[0] if ca else {}
@@ -331,12 +333,12 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                                 boxed_params=boxed_params, asks_degree=bool(asked)))
 
     def compiled_costs() -> dict:
-        fwd_flops, fwd_bytes = _xla_cost(fwd_c or _compile(fwd_lowered, False))
+        fwd_flops, fwd_bytes = xla_cost(fwd_c or _compile(fwd_lowered, False))
         bwd_flops = bwd_bytes = bwd_time = 0.0
         bwd_temp, fwd_threads, bwd_threads = 0, 1.0, 1.0
         if bwd_lowered is not None:
             bwd_c = _compile(bwd_lowered, measure)
-            bwd_flops, bwd_bytes = _xla_cost(bwd_c)
+            bwd_flops, bwd_bytes = xla_cost(bwd_c)
             bwd_temp = _temp_bytes(bwd_c)
             if measure:
                 bwd_time, bwd_threads = layer_time(

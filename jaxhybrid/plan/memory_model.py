@@ -46,7 +46,7 @@ the loss's residuals); its backward re-materialises every residual of the stage 
 (its transient), and a split backward's B runs it whole, so its crossing values are the
 stage's parameter gradients. A stage run under a jax.checkpoint policy (remat=
 "dots_saveable", ...: `policy_kept`, its kept residuals by dtype as the runtime's trace
-of that stage finds them, `pipeline.policy_memory`) is priced alike, keeping what the
+of that stage finds them, `pipeline.policy_costs`) is priced alike, keeping what the
 policy saves instead of its input, and re-materialising the rest.
 
 Otherwise kept_s = sum over the stage's layers of saved_bytes_remat if recomputed else
@@ -354,7 +354,7 @@ def spmd_memory(costs: Sequence[LayerCost], boundaries: Sequence[int], schedule,
     (ZeRO; 1 without), both applied by `_on_device`. whole_stage: per stage, recomputed
     whole from its input (the runtime's stage-level remat="full"; None: no stage).
     policy_kept: per stage, the kept residuals by dtype of a stage run under a
-    jax.checkpoint policy, or None (`pipeline.policy_memory`; None: no such stage)."""
+    jax.checkpoint policy, or None (`pipeline.policy_costs`; None: no such stage)."""
     costs, param_state_factor = _on_device(costs, param_state_factor, model, zero_shards,
                                            optimizer_factor)
     ranges, r, whole, pk = _checked(costs, boundaries, schedule, remat, whole_stage, policy_kept)

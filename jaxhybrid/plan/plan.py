@@ -76,9 +76,12 @@ class Plan:
     # `Pipeline(plan=...)` runs it again (the policy was dropped, silently).
     stage_policy: list | None = None
     # Per stage, the residuals (bytes by dtype) it keeps under its policy, as traced
-    # (`pipeline.policy_memory`): its memory is priced from them (None: not priced, as
-    # not recomputed); its time is priced as not recomputed.
+    # (`pipeline.policy_costs`): its memory is priced from them (None: not priced, as
+    # not recomputed).
     stage_policy_kept: list | None = None
+    # Per stage, the share of its forward its backward runs again under its policy, as
+    # traced (`pipeline.policy_costs`), in its stage_bwd_time (None: priced as none).
+    stage_policy_recompute: list | None = None
 
     def __post_init__(self):
         S = self.num_stages
@@ -102,7 +105,8 @@ class Plan:
             self.stage_fwd_time = [c / 3 for c in self.stage_compute_time]
             self.stage_bwd_time = [2 * c / 3 for c in self.stage_compute_time]
         for f in ("stage_fwd_time", "stage_bwd_time", "stage_fwd_cpu", "stage_bwd_cpu",
-                  "whole_stage_remat", "stage_policy", "stage_policy_kept"):
+                  "whole_stage_remat", "stage_policy", "stage_policy_kept",
+                  "stage_policy_recompute"):
             if getattr(self, f) is not None and len(getattr(self, f)) != S:
                 raise ValueError(f"Plan: {f} needs {S} entries, got {len(getattr(self, f))}.")
 
@@ -217,19 +221,22 @@ class Plan:
                 f"{1e3 * self.stage_allreduce_time[s]:>9.3f} {fmt_bytes(self.stage_memory[s]):>8} "
                 f"{self._stage_remat_column(s, a, b):>5}"
                 f"  {devs}")
-        kept = self.stage_policy_kept or [None] * S
-        for s, name in enumerate(self.stage_policy or ()):
-            if name and kept[s] is not None:
-                lines.append(f"  stage {s} runs under jax.checkpoint policy {name!r}: memory "
-                             f"priced with the {fmt_bytes(sum(kept[s].values()))} of residuals "
-                             f"it keeps, time as no recompute")
-            elif name:
-                lines.append(f"  stage {s} runs under jax.checkpoint policy {name!r} (not "
-                             f"modelled: its time and memory are priced as no recompute)")
+        lines += [self._policy_line(s, name) for s, name in enumerate(self.stage_policy or ())
+                  if name]
         lines.append(f"bottleneck {1e3 * self.bottleneck_time:.3f} ms/microbatch; predicted step "
                      f"{1e3 * self.predicted_step_time:.3f} ms; bubble {self.bubble_fraction:.3f}; "
                      f"boundaries {self.boundaries}")
         return "\n".join(lines)
+
+    def _policy_line(self, s: int, name: str) -> str:
+        """The summary's line on stage `s` run under the jax.checkpoint policy `name`."""
+        kept = (self.stage_policy_kept or [None] * self.num_stages)[s]
+        again = (self.stage_policy_recompute or [None] * self.num_stages)[s]
+        memory = ("memory priced as no recompute" if kept is None else
+                  f"memory priced with the {fmt_bytes(sum(kept.values()))} of residuals it keeps")
+        time = ("time as no recompute" if again is None else
+                f"its backward runs {100 * again:.0f}% of its forward again")
+        return f"  stage {s} runs under jax.checkpoint policy {name!r}: {memory}, {time}"
 
     def _stage_remat_column(self, s: int, a: int, b: int) -> str:
         """The summary's remat column: "whole", "pol" (a checkpoint policy, named below)

@@ -82,7 +82,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
               remat: Sequence[bool] | None = None,
               whole_stage_remat: Sequence[bool] | None = None,
               stage_policy: Sequence[str | None] | None = None,
-              policy_kept: Sequence[dict | None] | None = None) -> Plan:
+              policy_kept: Sequence[dict | None] | None = None,
+              policy_recompute: Sequence[float | None] | None = None) -> Plan:
     """`boundaries` given: keep those cuts (and `device_order`) and plan the rest. Otherwise:
     partition (fwd+bwd time per layer; output bytes cross each cut; parameter bytes are
     all-reduced over `data`), device mapping on a non-uniform topology (alternating with
@@ -101,9 +102,11 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     neither given, stages recomputed whole are the last resort when no per-layer choice
     fits. stage_policy: per stage, the jax.checkpoint_policies name it runs under, or None
     (`Plan.stage_policy`: `Pipeline(plan=...)` runs it again); policy_kept: per such
-    stage, the residuals it keeps (bytes by dtype, `pipeline.policy_memory`; needs
+    stage, the residuals it keeps (bytes by dtype, `pipeline.policy_costs`; needs
     `boundaries`: they are those stages' residuals), its memory priced from them (else
-    as no recompute); its time is priced as no recompute.
+    as no recompute); policy_recompute: per such stage, the share of its forward its
+    backward runs again (`pipeline.policy_costs`; needs `boundaries` too), added to its
+    backward's time (else priced as no recompute).
     objective: "bottleneck" (the least slowest stage, ties to the most even split),
     "alpa" (sum + (M - 1) x slowest stage) or "step" (the least predicted step,
     `fastest_cuts`: the schedule's fill and drain, the engine terms of `hardware`)."""
@@ -138,11 +141,13 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
     remat = [False] * L if remat is None else [bool(r) for r in remat]
     whole = _whole_stages(whole_stage_remat, S)
-    _check_policies(stage_policy, policy_kept, boundaries, S)
+    for name, traced in (("policy_kept", policy_kept), ("policy_recompute", policy_recompute)):
+        _check_policies(stage_policy, traced, name, boundaries, S)
     priced = functools.partial(_priced_plan, costs, times, sched, data=int(data),
                                topology=topology, hardware=hardware, budget=budget,
                                objective=objective, param_state_factor=param_state_factor,
-                               shard=shard, stage_policy=stage_policy, policy_kept=policy_kept)
+                               shard=shard, stage_policy=stage_policy, policy_kept=policy_kept,
+                               policy_recompute=policy_recompute)
     if objective == "step" and boundaries is None:
         def step_time(c):
             c_sc = stage_costs(t, c, device_order=order, num_microbatches=M, **link)
@@ -174,20 +179,22 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     return priced(cuts, order, sc, remat, whole)
 
 
-def _check_policies(stage_policy, policy_kept, boundaries, S: int) -> None:
+def _check_policies(stage_policy, traced, name: str, boundaries, S: int) -> None:
+    """`traced` (make_plan's argument `name`: per stage, what its policy costs) fits the
+    stages and the policies named."""
     if stage_policy is not None and len(stage_policy) != S:
         raise ValueError(f"make_plan: stage_policy has {len(stage_policy)} entries, one per "
                          f"stage ({S}).")
-    if policy_kept is None:
+    if traced is None:
         return
-    if boundaries is None or len(policy_kept) != S:
-        raise ValueError(f"make_plan: policy_kept needs the boundaries it was traced for and "
+    if boundaries is None or len(traced) != S:
+        raise ValueError(f"make_plan: {name} needs the boundaries it was traced for and "
                          f"one entry per stage ({S}), got "
-                         f"{'no boundaries' if boundaries is None else len(policy_kept)}.")
+                         f"{'no boundaries' if boundaries is None else len(traced)}.")
     named = stage_policy or [None] * S
-    if any(k is not None and not p for k, p in zip(policy_kept, named)):
-        raise ValueError("make_plan: policy_kept prices stages under a policy: name each "
-                         "one's policy in stage_policy (the plan runs it again).")
+    if any(k is not None and not p for k, p in zip(traced, named)):
+        raise ValueError(f"make_plan: {name} prices stages under a policy: name each "
+                         f"one's policy in stage_policy (the plan runs it again).")
 
 
 def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
@@ -201,9 +208,10 @@ def _whole_stages(whole_stage_remat, S: int) -> list[bool]:
 
 def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, topology,
                  hardware, budget, objective, param_state_factor, shard,
-                 stage_policy=None, policy_kept=None) -> Plan:
+                 stage_policy=None, policy_kept=None, policy_recompute=None) -> Plan:
     """The Plan of these cuts, device order, stage costs `sc`, recomputation (`remat` per
-    layer, `whole` per stage): its stage times, memory (`memory_model.spmd_memory`) and
+    layer, `whole` per stage; per stage under a policy, the share of its forward it runs
+    again, `policy_recompute`): its stage times, memory (`memory_model.spmd_memory`) and
     the engine terms its predicted step (`Plan.predicted_step`, the one step model) is
     priced with."""
     # A stage recomputed whole runs every layer's forward again: its layers' time.
@@ -220,6 +228,8 @@ def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, to
                 stage_policy=list(stage_policy) if stage_policy and any(stage_policy) else None,
                 stage_policy_kept=None if policy_kept is None else [
                     None if k is None else {d: float(n) for d, n in k.items()} for k in policy_kept],
+                stage_policy_recompute=None if policy_recompute is None else [
+                    None if f is None else float(f) for f in policy_recompute],
                 stage_transfer_time=sc.transfer.tolist(), stage_allreduce_time=sc.allreduce.tolist(),
                 stage_memory=mem.tolist(), layer_names=[c.name for c in costs],
                 memory_budget=budget, objective=objective, microbatch_size=costs[0].batch_size,
@@ -227,7 +237,7 @@ def _priced_plan(costs, times, sched, cuts, order, sc, remat, whole, *, data, to
                 device_memory=device_mem, virtual_stages=sched.virtual_stages,
                 schedule_options=dict(sched.options), table=sched, compute_slots=slots,
                 transfer_per_tick=_transfer_per_tick(topology, times, cuts, order, S, data),
-                **_stage_times(times, cuts, remat), **engine)
+                **_stage_times(times, cuts, remat, policy_recompute), **engine)
 
 
 # objective="step": every split is priced where there are at most this many; else a
@@ -304,17 +314,21 @@ def _planned_schedule(schedule, num_stages: int, M: int, virtual_stages: int, L:
     return sched
 
 
-def _stage_times(times, cuts, remat) -> dict:
+def _stage_times(times, cuts, remat, policy_recompute=None) -> dict:
     """The Plan's per-stage seconds per microbatch: forward, backward (with what it
-    recomputes), both, and the CPU seconds of each (`layer_cost.cpu_seconds`)."""
+    recomputes: its recomputed layers' forward, and the share `policy_recompute` of a
+    policy stage's), both, and the CPU seconds of each (`layer_cost.cpu_seconds`)."""
     fwd = stage_sums([c.fwd_time for c in times], cuts)
-    bwd = stage_sums([c.bwd_time for c in times], cuts) + recompute_time(times, cuts, remat)
     cpu_f, cpu_b = cpu_seconds(times)
+    cpu_fwd = stage_sums(cpu_f, cuts)
+    again = np.asarray([f or 0.0 for f in policy_recompute or [0.0] * len(fwd)])
+    bwd = (stage_sums([c.bwd_time for c in times], cuts) + recompute_time(times, cuts, remat)
+           + again * fwd)
     return dict(stage_fwd_time=fwd.tolist(), stage_bwd_time=bwd.tolist(),
-                stage_compute_time=(fwd + bwd).tolist(),
-                stage_fwd_cpu=stage_sums(cpu_f, cuts).tolist(),
+                stage_compute_time=(fwd + bwd).tolist(), stage_fwd_cpu=cpu_fwd.tolist(),
                 # a recomputed layer's forward runs again in the backward
-                stage_bwd_cpu=stage_sums(cpu_b + np.where(remat, cpu_f, 0.0), cuts).tolist())
+                stage_bwd_cpu=(stage_sums(cpu_b + np.where(remat, cpu_f, 0.0), cuts)
+                               + again * cpu_fwd).tolist())
 
 
 def _transfer_per_tick(topology, times, cuts, order, S: int, data: int) -> float:

@@ -32,7 +32,7 @@ import re
 from jaxhybrid.checks import is_float
 from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as plan_costs
-from jaxhybrid.plan.costs import LayerCost, _xla_cost, device_peak, roofline_time
+from jaxhybrid.plan.costs import LayerCost, xla_cost, device_peak, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
                                      stashed_bytes, stashed_io, whole_values)
 
@@ -114,10 +114,10 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             except (OSError, ValueError):
                 pass
         if sig not in seen:
-            f_flops, f_bytes = _xla_cost(jax.jit(fwd).lower(*avals))
+            f_flops, f_bytes = xla_cost(jax.jit(fwd).lower(*avals))
             b_flops = b_bytes = 0.0
             if diff and any(is_float(prog.avals[i]) for i in outs):
-                t_flops, t_bytes = _xla_cost(jax.jit(fwd_bwd).lower(*avals))
+                t_flops, t_bytes = xla_cost(jax.jit(fwd_bwd).lower(*avals))
                 b_flops, b_bytes = max(t_flops - f_flops, 0.0), max(t_bytes - f_bytes, 0.0)
             seen[sig] = (f_flops, f_bytes, b_flops, b_bytes,
                          _residuals(fwd, avals, diff, len(var_ids), outs, prog))

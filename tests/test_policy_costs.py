@@ -1,6 +1,7 @@
 """Stages run under a jax.checkpoint policy (remat="dots_saveable", ...): the memory model
-prices what the policy keeps, traced as the runtime traces the stage
-(`jaxhybrid.pipeline.policy_memory`), instead of pricing the stage as not recomputed."""
+prices what the policy keeps, traced as the runtime traces the stage, and the plan's
+backward times what the policy runs again (`jaxhybrid.pipeline.policy_costs`), instead of
+pricing the stage as not recomputed."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -89,6 +90,56 @@ def test_make_plan_holds_the_policies_it_prices():
     with pytest.raises(ValueError, match="policy_kept needs the boundaries"):
         make_plan(costs, num_stages=2, num_microbatches=2, stage_policy=[None, "dots_saveable"],
                   policy_kept=kept)
+
+
+def _plan(remat):
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=4,
+                       boundaries=[2, 4, 6], remat=remat)
+    pipe.init(jax.random.key(1), x)
+    return pipe.plan
+
+
+def test_policy_stages_time_what_their_backward_runs_again():
+    """nothing_saveable runs a stage's whole forward again, as remat="full" does (the
+    last stage all but its last Dense, whose output no backward reads): its backward is
+    priced as full's; dots_saveable keeps the matmuls' outputs and runs only the
+    elementwise work again; everything_saveable next to nothing. Priced as not
+    recomputed, all three had the backward of remat="none"."""
+    none, full = _plan("none"), _plan("full")
+    nothing, dots, everything = (_plan(r) for r in ("nothing_saveable", "dots_saveable",
+                                                    "everything_saveable"))
+    assert none.stage_policy_recompute is None and full.stage_policy_recompute is None
+    assert nothing.stage_policy_recompute[:3] == pytest.approx([1.0] * 3)
+    assert 0.9 < nothing.stage_policy_recompute[3] < 1.0
+    assert nothing.stage_bwd_time[:3] == pytest.approx(full.stage_bwd_time[:3], rel=1e-6)
+    assert all(0 < f < 0.2 for f in dots.stage_policy_recompute)
+    # (a checkpoint moves the sin's cosine into the backward: 1% of the forward's FLOPs)
+    assert all(0 <= f < 0.02 for f in everything.stage_policy_recompute)
+    assert everything.stage_bwd_time == pytest.approx(none.stage_bwd_time, rel=0.02)
+    for s in range(4):
+        assert none.stage_bwd_time[s] < dots.stage_bwd_time[s] < nothing.stage_bwd_time[s]
+        assert dots.stage_bwd_cpu[s] > none.stage_bwd_cpu[s]
+    assert nothing.predicted_step_time > dots.predicted_step_time > none.predicted_step_time
+    assert "its backward runs 100% of its forward again" in nothing.summary()
+
+
+def test_make_plan_checks_the_recompute_it_is_given():
+    from jaxhybrid.plan import make_plan
+    from jaxhybrid.pipeline.planning import profile_cached
+    costs = profile_cached(LAYERS, jnp.ones((8, 16)))
+    plain = make_plan(costs, num_stages=2, num_microbatches=2, boundaries=[4])
+    plan = make_plan(costs, num_stages=2, num_microbatches=2, boundaries=[4],
+                     stage_policy=[None, "nothing_saveable"], policy_recompute=[None, 1.0])
+    assert plan.stage_bwd_time[0] == plain.stage_bwd_time[0]
+    assert plan.stage_bwd_time[1] == pytest.approx(plain.stage_bwd_time[1]
+                                                   + plain.stage_fwd_time[1])
+    with pytest.raises(ValueError, match="policy_recompute prices stages under a policy"):
+        make_plan(costs, num_stages=2, num_microbatches=2, boundaries=[4],
+                  policy_recompute=[None, 1.0])
+    with pytest.raises(ValueError, match="policy_recompute needs the boundaries"):
+        make_plan(costs, num_stages=2, num_microbatches=2,
+                  stage_policy=[None, "dots_saveable"], policy_recompute=[None, 0.5])
 
 
 def test_a_split_backward_policy_stage_crosses_its_parameter_gradients():
