@@ -68,6 +68,13 @@ def test_plan_bench_prints_the_policy_table():
     assert again and full and float(full.group(1)) > 1.2
     assert abs(float(again.group(1)) / float(full.group(1)) - 1) < 0.02
     assert re.search(rf"^\s+dots_saveable\s+{num}\s+{num}\s+{num}\s+0\.\d\d, ", r.stdout, re.M)
+    # remat="auto" under the budget: the policy on the stages the layers-only plan
+    # recomputes layers in, every step exact.
+    auto = re.search(r"^\s+auto (\d), dots_saveable, dots_saveable, (\d) .* True$", r.stdout, re.M)
+    layers = re.search(r"^\s+auto, layers only (\d), [1-9]\d*, [1-9]\d*, (\d) .* True$",
+                       r.stdout, re.M)
+    assert auto and layers and auto.groups() == layers.groups() == ("0", "0"), r.stdout
+    assert re.search(r"^\s+none 0, 0, 0, 0 .* True$", r.stdout, re.M)
 
 
 def test_collectives_bench_prints_every_variant():

@@ -83,6 +83,12 @@ def test_zero_divides_the_optimizer_state_by_data(data):
         base - 2 * largest_stage * (1 - 1 / data))      # Adam: 2 x param bytes of state
     assert spmd_memory(costs, [2], sched, zero_shards=data, optimizer_factor=1)[1] == \
         pytest.approx(base - largest_stage * (1 - 1 / data))
+    # A value_and_grad step (parameters and gradients, factor 2) has no optimizer state
+    # to split: ZeRO took 2 x param bytes off it all the same (1.62x under its compiled step).
+    plain = spmd_memory(costs, [2], sched, param_state_factor=2)[1]
+    assert spmd_memory(costs, [2], sched, param_state_factor=2, zero_shards=data)[1] == plain
+    assert spmd_memory(costs, [2], sched, param_state_factor=3, zero_shards=data)[1] == \
+        pytest.approx(plain + largest_stage - largest_stage * (1 - 1 / data))
     # ZeRO and the model degree compose: the state of a split layer / (model x data).
     split = [_layer(f"s{i}", 4000, 4000, 0, 0) for i in range(4)]
     full = spmd_memory(split, [2], sched)[1]

@@ -73,7 +73,13 @@ def test_planner_splits_virtual_and_split_schedules(schedule, options):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_auto_remat_under_a_budget_recomputes_and_stays_exact():
+@pytest.mark.parametrize("policies", [(), None], ids=["layers", "or-policies"])
+def test_auto_remat_under_a_budget_recomputes_and_stays_exact(policies, monkeypatch):
+    # Layers recomputed; or, by default, a stage under dots_saveable where that fits and
+    # is predicted faster (`planning.AUTO_POLICIES`; on this model it is, for stage 0).
+    from jaxhybrid.pipeline import planning
+    if policies is not None:
+        monkeypatch.setattr(planning, "AUTO_POLICIES", policies)
     inputs, labels = mm.make_batch(8)
     mesh = jh.make_mesh(data=1, pipe=2)
     free = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, boundaries=[4])
@@ -84,7 +90,10 @@ def test_auto_remat_under_a_budget_recomputes_and_stays_exact():
     pipe = jp.Pipeline(LAYERS, mesh=mesh, num_microbatches=4, boundaries=[4],
                        memory_budget=budget)
     pipe.init(jax.random.key(0), inputs)
-    assert any(pipe.plan.remat) and not all(pipe.plan.remat)
+    if policies == ():
+        assert any(pipe.plan.remat) and not all(pipe.plan.remat)
+    else:
+        assert pipe.plan.stage_policy == ["dots_saveable", None] and not any(pipe.plan.remat)
     assert max(pipe.plan.stage_memory) <= budget
     # Recompute costs time. (Against a plan made here with `planner.make_plan`'s default
     # hardware this failed when a test in the same process had stored a calibration,

@@ -11,6 +11,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxhybrid as jh
@@ -122,6 +123,45 @@ def test_policy_stages_time_what_their_backward_runs_again():
         assert dots.stage_bwd_cpu[s] > none.stage_bwd_cpu[s]
     assert nothing.predicted_step_time > dots.predicted_step_time > none.predicted_step_time
     assert "its backward runs 100% of its forward again" in nothing.summary()
+
+
+def test_auto_runs_a_policy_where_it_fits_and_is_faster(monkeypatch):
+    """remat="auto" under a budget that recomputing nothing misses and dots_saveable
+    meets: the stages that recompute run under dots_saveable (it recomputes elementwise
+    work only, where the per-layer choice ran whole blocks again), within the budget,
+    predicted faster than the per-layer plan, and the step is exact. Under a budget
+    the policy misses, the per-layer plan stands."""
+    from jaxhybrid.pipeline import planning
+    x = jax.random.normal(jax.random.key(0), (256, 16))
+    t = jnp.zeros((256, 4))
+
+    def pipeline(remat, budget=None):
+        pipe = jp.Pipeline(LAYERS, mesh=jh.make_mesh(data=1, pipe=4), num_microbatches=4,
+                           boundaries=[2, 4, 6], remat=remat, memory_budget=budget,
+                           param_state_factor=2)
+        return pipe, pipe.init(jax.random.key(1), x)
+
+    none, variables = pipeline("none")
+    dots = pipeline("dots_saveable")[0].plan.device_memory
+    assert dots < none.plan.device_memory
+    budget = int((dots + none.plan.device_memory) / 2)
+    auto, _ = pipeline("auto", budget)
+    with monkeypatch.context() as m:
+        m.setattr(planning, "AUTO_POLICIES", ())
+        layers = pipeline("auto", budget)[0].plan
+    assert any(layers.remat) and layers.stage_policy is None
+    plan = auto.plan
+    assert plan.stage_policy and set(plan.stage_policy) <= {None, "dots_saveable"}
+    recomputing = [any(layers.remat[a:b]) for a, b in layers.stage_ranges]
+    assert [p is not None for p in plan.stage_policy] == recomputing
+    assert not any(plan.remat) and plan.device_memory <= budget
+    assert plan.predicted_step_time < layers.predicted_step_time
+    want = none.value_and_grad(_mse)(variables, x, t)
+    got = auto.value_and_grad(_mse)(variables, x, t)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    tight = pipeline("auto", int(dots * 0.97))[0].plan
+    assert tight.stage_policy is None and any(tight.remat)
 
 
 def test_make_plan_checks_the_recompute_it_is_given():

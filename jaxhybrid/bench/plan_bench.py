@@ -23,8 +23,9 @@ Prints (never asserts):
              stage's backward with the same jax.checkpoint choices).
   speed      planning time of 1,000 random layers into 64 stages (best of --repeats).
   policy     a stage's forward + backward under jax.checkpoint policies, priced by the plan
-             and measured, against no recompute (`bench.policy_time`; not in the default
-             sections: python scripts/bench.py plan --sections=policy).
+             and measured, against no recompute; remat="auto" with and without the
+             policies it may choose, under a budget (`bench.policy_time`; not in the
+             default sections: python scripts/bench.py plan --sections=policy).
 """
 from __future__ import annotations
 
@@ -399,6 +400,8 @@ def main(argv) -> None:
         print("\n== checkpoint policies: the backward's recomputation, priced and measured ==")
         rows = policy_rows(FLAGS.policy_width, FLAGS.policy_microbatch, 4 * FLAGS.repeats)
         print_policy(rows, FLAGS.policy_width, FLAGS.policy_microbatch)
+        from jaxhybrid.bench.policy_time import auto_rows, print_auto
+        print_auto(*auto_rows(FLAGS.policy_width, FLAGS.policy_microbatch, 4 * FLAGS.repeats))
 
 
 if __name__ == "__main__":

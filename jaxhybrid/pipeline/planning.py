@@ -13,6 +13,11 @@ from jaxhybrid import step_memory
 from jaxhybrid.pipeline.arguments import batch_size_of, one_microbatch
 
 
+# remat="auto" under a memory budget: the jax.checkpoint policies tried, in place of the
+# layers the planner recomputes, on the stages that recompute (`_with_auto_policies`).
+AUTO_POLICIES = ("dots_saveable",)
+
+
 class PipelinePlanning:
     def _microbatch_sample(self, sample_inputs):
         """One microbatch of `sample_inputs` (the planner's costs are per microbatch)."""
@@ -38,6 +43,8 @@ class PipelinePlanning:
             costs, memory_budget=self.memory_budget if self.remat == "auto" else None,
             boundaries=self.boundaries if fixed else None, **kw)
         policies = kw["stage_policy"]
+        if self.remat == "auto" and self.memory_budget is not None:
+            return self._with_auto_policies(plan, costs, kw)
         if any(policies) and self.model == 1:
             # Stages under a jax.checkpoint policy: their memory from the residuals the
             # policy keeps and their backward's time from what it runs again, traced on
@@ -49,6 +56,32 @@ class PipelinePlanning:
                 costs, boundaries=plan.boundaries, device_order=plan.device_order,
                 policy_kept=kept, policy_recompute=again, **kw)
         return plan
+
+    def _with_auto_policies(self, plan, costs, kw: dict):
+        """remat="auto" under a budget: `plan` (layers recomputed, or stages whole, as the
+        planner chose) or, where it fits the budget too and its predicted step is
+        shorter, the same cuts with every stage that recomputes run under one of
+        `AUTO_POLICIES` instead (priced by `policy_costs`: what the policy keeps and what
+        its backward runs again). Not with a model axis (a device's share is not traced)
+        nor with an asynchronous schedule (its recomputation is checked per layer)."""
+        from jaxhybrid import plan as planner
+        from jaxhybrid.pipeline.policy_costs import policy_costs
+        whole = plan.whole_stage_remat or [False] * plan.num_stages
+        recomputes = [w or any(plan.remat[a:b]) for (a, b), w in zip(plan.stage_ranges, whole)]
+        if self.model != 1 or not any(recomputes) or self.schedule.weights != "sync":
+            return plan
+        best = plan
+        for name in AUTO_POLICIES:
+            policies = [name if r else None for r in recomputes]
+            kept, again = policy_costs(self.layers, self._sample, plan.stage_ranges, policies)
+            candidate = planner.make_plan(
+                costs, memory_budget=self.memory_budget, boundaries=plan.boundaries,
+                device_order=plan.device_order, policy_kept=kept, policy_recompute=again,
+                **{**kw, "remat": [False] * plan.num_layers, "stage_policy": policies})
+            if (candidate.device_memory <= plan.memory_budget
+                    and candidate.predicted_step_time < best.predicted_step_time):
+                best = candidate
+        return best
 
     def _planned_remat(self) -> list | None:
         """The user's per-layer recompute flags for the planner to predict (it reported

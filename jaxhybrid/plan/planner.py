@@ -96,7 +96,8 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     model: tensor-parallel degree (times and memory of one device's share of each layer,
     `model_axis.local_cost`); zero_shards: data replicas the optimizer state is split over
     (ZeRO; 1 without). remat: one bool per layer, recomputation already chosen (the
-    user's); its memory and recompute time are predicted instead of choosing one.
+    user's); its memory and recompute time are predicted instead of choosing one (a
+    `memory_budget` beside it is the plan's to report, not to meet).
     whole_stage_remat: one bool per stage, recomputed whole from its input (the runtime's
     stage-level remat="full": it keeps only that input); with `memory_budget` and
     neither given, stages recomputed whole are the last resort when no per-layer choice
@@ -139,7 +140,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
     cuts, order, sc = cut(boundaries)
     if remat is not None and len(remat) != L:
         raise ValueError(f"make_plan: remat has {len(remat)} entries, one per layer ({L}).")
-    remat = [False] * L if remat is None else [bool(r) for r in remat]
+    chosen, remat = remat is not None, [False] * L if remat is None else [bool(r) for r in remat]
     whole = _whole_stages(whole_stage_remat, S)
     for name, traced in (("policy_kept", policy_kept), ("policy_recompute", policy_recompute)):
         _check_policies(stage_policy, traced, name, boundaries, S)
@@ -154,7 +155,7 @@ def make_plan(costs: Sequence[LayerCost], *, num_stages: int, num_microbatches: 
             return priced(c, order, c_sc, remat, whole).predicted_step_time
         cuts = fastest_cuts(cuts, L, step_time)
         sc = stage_costs(t, cuts, device_order=order, num_microbatches=M, **link)
-    if budget is not None and whole_stage_remat is None:
+    if budget is not None and whole_stage_remat is None and not chosen:
         try:
             remat = choose_remat_spmd(costs, cuts, sched, budget,
                                       param_state_factor=param_state_factor, **shard)
