@@ -115,11 +115,27 @@ def call_rngs(key: jax.Array | None, streams: Sequence[str] = ()) -> dict:
 _STREAMS: dict = {}
 
 
+def declare_rng_streams(module, *streams: str):
+    """Supplies `module` (a layer, or a model the splitter cuts) the rng `streams` on
+    every call with a key, beside those it is found to draw from: a stream it only looks
+    for (`if self.has_rng("droppath"): ...`) is never asked for, so `with_streams` cannot
+    find it, and the gated draw never ran. Returns `module`."""
+    for s in streams:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"declare_rng_streams: stream names are non-empty strings "
+                             f"(e.g. 'noise'), got {s!r}.")
+    seen = _STREAMS.get(id(module))
+    known = seen[1] if seen is not None and seen[0] is module else ()
+    _STREAMS[id(module)] = (module, tuple(dict.fromkeys((*known, *streams))))
+    return module
+
+
 def with_streams(module, key: jax.Array | None, call):
     """`call(rngs)` with `call_rngs(key, streams)`, the streams `module` draws from: a
     stream it asks for and was not given (flax's InvalidRngError, which names it) is added
     and the call traced again, and remembered for the module's next calls. A stream the
-    module only looks for (`self.has_rng("noise")`) is never asked for: it is not given."""
+    module only looks for (`self.has_rng("noise")`) is never asked for: it is given only
+    when declared (`declare_rng_streams`)."""
     seen = _STREAMS.get(id(module))
     streams = seen[1] if seen is not None and seen[0] is module else ()
     while True:

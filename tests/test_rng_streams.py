@@ -163,3 +163,59 @@ def test_a_split_model_without_rng_is_told_to_pass_one_not_named_a_stream_it_nev
     with pytest.raises(ValueError, match=r"pass rng=: pipe\.apply") as e:
         pipe.apply(variables, x)
     assert '"dropout"' not in str(e.value)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth that draws only when its stream is there (`has_rng`)."""
+    @nn.compact
+    def __call__(self, x):
+        y = jnp.tanh(nn.Dense(x.shape[-1])(x))
+        if self.has_rng("droppath"):
+            keep = jax.random.bernoulli(self.make_rng("droppath"), 0.5, (x.shape[0], 1))
+            y = y * keep / 0.5
+        return x + y
+
+
+class DropPathNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(5)(DropPath()(DropPath()(nn.Dense(6)(x))))
+
+
+def test_a_stream_only_looked_for_is_given_once_declared():
+    """`has_rng`-gated draws never ran: the stream is never asked for, so it was never
+    found. Declared (`layers.declare_rng_streams`), the layers and a split model draw it,
+    as the sequential reference does, on a 2 x 2 mesh."""
+    from jaxhybrid.layers import declare_rng_streams
+    x, t = _batch(8, seed=2)
+    layers = [nn.Dense(6), DropPath(), DropPath(), nn.Dense(5)]
+    mesh = jh.make_mesh(data=2, pipe=2)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=2, boundaries=[2])
+    variables = pipe.init(jax.random.key(0), x)
+    quiet = pipe.value_and_grad(mse)(variables, x, t, RNG)[0]
+    assert float(quiet) == float(pipe.value_and_grad(mse)(variables, x, t, jax.random.key(8))[0])
+    for layer in layers[1:3]:
+        assert declare_rng_streams(layer, "droppath") is layer
+    per_layer = pipe.unpack(variables)
+    pipe = jp.Pipeline(layers, mesh=mesh, num_microbatches=2, boundaries=[2])
+    variables = pipe.pack(per_layer)
+    loss, grads, _ = pipe.value_and_grad(mse)(variables, x, t, RNG)
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad(
+        layers, pipe.unpack(variables), mse, x, t, data=2, num_microbatches=2, rng=RNG)
+    assert float(loss) != float(quiet)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close([g["params"] for g in pipe.unpack({**variables, "params": grads})], ref_grads, "grads")
+    # One model through the splitter: declared on the model it is given.
+    model = declare_rng_streams(DropPathNet(), "droppath")
+    native = model.init(jax.random.key(0), x[:2])
+    split = jp.Pipeline(model, mesh=mesh, num_microbatches=2)
+    split.init(jax.random.key(0), x)
+    packed = split.pack(native)
+    loss, grads, _ = split.value_and_grad(mse)(packed, x, t, RNG)
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad(
+        [model], [native], mse, x, t, data=2, num_microbatches=2, rng=RNG)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(split.unpack({**packed, "params": grads})["params"], ref_grads[0], "grads")
+    assert float(loss) != float(split.value_and_grad(mse)(packed, x, t, jax.random.key(8))[0])
+    with pytest.raises(ValueError, match="stream names are non-empty strings"):
+        declare_rng_streams(model, "")
