@@ -202,7 +202,8 @@ class Plan:
                  + f", objective {self.objective}",
                  f"  topology: {self.topology or 'none (no link costs)'}; memory budget: "
                  f"{fmt_bytes(self.memory_budget) if self.memory_budget else 'none'}"
-                 + (f"; device memory {fmt_bytes(self.device_memory)}"
+                 + (f"; device memory {fmt_bytes(self.device_memory)} (each device's "
+                    f"buffers sized for the largest stage's rows: at least the memory column)"
                     if self.device_memory is not None else "")]
         head = (f"{'stage':>5} {'layers':>9} {'first .. last':<28} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'xfer ms':>8} {'allred ms':>9} {'memory':>8} {'remat':>5}  devices")
