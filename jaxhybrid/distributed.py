@@ -226,6 +226,8 @@ def say_when_exit_waits(shutdown_timeout: int, after_s: float = 10.0) -> None:
 
 
 COORDINATOR_EXIT_GRACE_S = 2.0   # process 0 waits this long before an error's exit
+# ... after waiting up to this long for the other processes to reach their own stop.
+COORDINATOR_EXIT_WAIT_S = 30.0
 
 
 def exit_on_uncaught_error(_exit=os._exit) -> None:
@@ -253,12 +255,51 @@ def _stop_process(_exit=os._exit) -> None:
           f"stop when their launcher does or after --heartbeat_timeout",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if jax.process_index() == 0 and jax.process_count() > 1:
-        # Process 0 hosts the coordination service: its exit aborts the others from
-        # C++. A check that fails on every process at once (other device counts)
-        # let some of them abort before printing their own line (CI: SIGABRT).
-        time.sleep(COORDINATOR_EXIT_GRACE_S)
+    if jax.process_count() > 1:
+        client = _coordination_client()
+        if client is not None:
+            try:   # said where process 0 can see it
+                client.key_value_set(f"{_STOPPING}/{jax.process_index()}", "1", True)
+            except Exception:   # noqa: BLE001 - the service may be gone already
+                pass
+        if jax.process_index() == 0:
+            # Process 0 hosts the coordination service: its exit aborts the others from
+            # C++. A check that fails on every process at once (other device counts)
+            # let some of them abort before printing their own line (CI: SIGABRT); so
+            # did a plan refused on every process while one still waited for its
+            # initialiser's compile. Process 0 waits for the others to reach their own
+            # stop (at most COORDINATOR_EXIT_WAIT_S: one waiting in a collective never
+            # does), then a grace for their exits.
+            _await_stops(client, jax.process_count(), COORDINATOR_EXIT_WAIT_S)
+            time.sleep(COORDINATOR_EXIT_GRACE_S)
     _exit(1)
+
+
+_STOPPING = "jaxhybrid_stopping"
+
+
+def _coordination_client():
+    """jax.distributed's client (its key-value store), or None where there is none."""
+    try:
+        from jax._src import distributed as jax_distributed
+        return jax_distributed.global_state.client
+    except Exception:   # noqa: BLE001 - a jax without it: no handshake
+        return None
+
+
+def _await_stops(client, processes: int, wait_s: float) -> None:
+    """Returns once every process has said it stops (`_stop_process`) or after `wait_s`."""
+    if client is None:
+        return
+    deadline = time.monotonic() + wait_s
+    for i in range(1, processes):
+        left_ms = int(1000 * (deadline - time.monotonic()))
+        if left_ms <= 0:
+            return
+        try:
+            client.blocking_key_value_get(f"{_STOPPING}/{i}", left_ms)
+        except Exception:   # noqa: BLE001 - timed out: that process is elsewhere
+            return
 
 
 def exit_with_error(message: str, _exit=os._exit) -> None:

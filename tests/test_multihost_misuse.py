@@ -100,3 +100,21 @@ def test_an_error_on_one_process_stops_every_process_soon():
     assert "RuntimeError: a bug in process 1's own code" in out, out[-3000:]
     assert "distributed: process 1 stops on this error" in out, out[-3000:]
     assert waited < 90, f"the processes took {waited:.0f} s to stop"
+
+
+def test_a_process_slower_to_stop_on_the_same_error_is_not_aborted():
+    # Every process refused the same plan, process 1 some seconds later (waiting for its
+    # initialiser's compile): process 0 exited after its 2 s grace, ending the
+    # coordination service, and jax aborted process 1 from C++ (SIGABRT, a page of
+    # stacks) before it printed its own error. Process 0 now waits for the others' stop.
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes=2",
+           "--devices_per_process=4", "--stop_grace_s=30",
+           f"--script={ROOT / 'tests' / 'multihost_slow_stop.py'}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert out.count("ValueError: a plan that no process can run") == 2, out[-3000:]
+    for i in (0, 1):
+        assert f"distributed: process {i} stops on this error" in out, out[-3000:]
+    assert "SIGABRT" not in out and "Fatal Python error" not in out, out[-3000:]
