@@ -30,12 +30,18 @@ def save_stopped(b, state, done: int, last_saved, meta: dict) -> int | None:
 
 def steps_until_stopped(first: int, last: int):
     """first .. last, under `distributed.signals_deferred`: a stop signal ends the run
-    after the step in flight, its record and its checkpoint (KeyboardInterrupt then)."""
+    after the step in flight, its record and its checkpoint (KeyboardInterrupt then).
+    One that comes during the last step lets the run finish: it has trained, evaluated
+    and saved every step (it ended "stopped", status 143, and a scheduler read it as
+    preempted, restarting it to evaluate again)."""
     with distributed.signals_deferred():
         for step in range(first, last + 1):
             yield step
-            if distributed.stop_requested():
+            if distributed.stop_requested() and step < last:
                 raise KeyboardInterrupt(distributed.stop_requested())
+        if distributed.stop_requested():
+            logging.warning("%s came during the last step (%d); the run finished, saved "
+                            "and evaluated it", distributed.stop_requested(), last)
 
 
 def check_finite(m: dict, step: int, t, last_saved, ckpt, from_init: bool = False) -> None:

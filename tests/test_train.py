@@ -423,11 +423,14 @@ def test_a_workdir_in_use_by_another_run_is_refused_naming_it(tmp_path):
     assert final["step"] == gpt_config().train.steps
 
 
-def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("at", [5, 6])
+def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path, monkeypatch, at):
     # Raised at once, the KeyboardInterrupt landed while the host waited for the step,
     # whose input state was donated: "Array has been deleted", no checkpoint (3 of 3
     # real SIGTERMs), and records or a checkpoint cut short. Now the step, its record
     # and checkpoint finish, then the run stops; the resumed run is the uninterrupted one.
+    # During the last step (6) the run finishes: it ended "stopped" (status 143), which a
+    # scheduler read as preempted, after it had trained, saved and evaluated every step.
     import os
     import signal
     from jaxhybrid import distributed
@@ -440,7 +443,7 @@ def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path,
         def wrapped(*args):
             calls[0] += 1
             out = step(*args)                 # `state` is donated to it
-            if calls[0] == 5:
+            if calls[0] == at:
                 os.kill(os.getpid(), signal.SIGTERM)
             return out
         return wrapped
@@ -448,14 +451,22 @@ def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path,
         distributed.stop_on_signals(grace_s=600, _exit=lambda code: None)
         with monkeypatch.context() as m:
             m.setattr(train, "make_train_step", patched)
-            with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
-                train.train_and_evaluate(gpt_config(), tmp_path)
+            if at == 6:
+                final = train.train_and_evaluate(gpt_config(), tmp_path)
+            else:
+                with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+                    train.train_and_evaluate(gpt_config(), tmp_path)
     finally:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
-    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).latest_step() == 5
-    assert sorted(losses(tmp_path)) == sorted(s for s in losses(reference[0]) if s <= 5)
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).latest_step() == at
+    assert sorted(losses(tmp_path)) == sorted(s for s in losses(reference[0]) if s <= at)
+    if at == 6:
+        timed = ("wall_time_s", "steps_per_sec")
+        assert {k: v for k, v in final.items() if k not in timed} == \
+            {k: v for k, v in reference[1].items() if k not in timed}
+        return
     train.train_and_evaluate(gpt_config(), tmp_path)
     assert losses(tmp_path) == losses(reference[0])          # bit for bit
 
