@@ -60,6 +60,20 @@ def _close(a, b, what):
                                    err_msg=what)
 
 
+def _split_matches_reference(model, native, x, t):
+    """A 2 x 2 pipeline of `model` (cut by the splitter) with `native` variables: its
+    loss and gradients equal the sequential reference's. Returns (pipe, packed, loss)."""
+    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
+    pipe.init(jax.random.key(0), x)
+    packed = pipe.pack(native)
+    loss, grads, _ = pipe.value_and_grad(mse)(packed, x, t, RNG)
+    ref_loss, ref_grads, _ = jp.reference_value_and_grad(
+        [model], [native], mse, x, t, data=2, num_microbatches=2, rng=RNG)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(pipe.unpack({**packed, "params": grads})["params"], ref_grads[0], "grads")
+    return pipe, packed, loss
+
+
 def test_named_streams_of_one_layer_get_distinct_keys_and_none_without_a_key():
     layer = NoisyEncoder()
     x = jnp.ones((3, 4))
@@ -96,14 +110,7 @@ def test_a_split_model_drawing_named_streams_matches_the_reference_and_samples_i
     model = VAE()
     x, t = _batch(16, seed=1)
     native = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x[:2])
-    pipe = jp.Pipeline(model, mesh=jh.make_mesh(data=2, pipe=2), num_microbatches=2)
-    pipe.init(jax.random.key(0), x)
-    variables = pipe.pack(native)
-    loss, grads, _ = pipe.value_and_grad(mse)(variables, x, t, RNG)
-    ref_loss, ref_grads, _ = jp.reference_value_and_grad(
-        [model], [native], mse, x, t, data=2, num_microbatches=2, rng=RNG)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    _close(pipe.unpack({**variables, "params": grads})["params"], ref_grads[0], "grads")
+    pipe, variables, _ = _split_matches_reference(model, native, x, t)
     # Evaluation samples too: with rng= it runs (and follows the key), without it the
     # message names the fix.
     y1 = pipe.apply(variables, x, rng=jax.random.key(1))
@@ -207,15 +214,8 @@ def test_a_stream_only_looked_for_is_given_once_declared():
     _close([g["params"] for g in pipe.unpack({**variables, "params": grads})], ref_grads, "grads")
     # One model through the splitter: declared on the model it is given.
     model = declare_rng_streams(DropPathNet(), "droppath")
-    native = model.init(jax.random.key(0), x[:2])
-    split = jp.Pipeline(model, mesh=mesh, num_microbatches=2)
-    split.init(jax.random.key(0), x)
-    packed = split.pack(native)
-    loss, grads, _ = split.value_and_grad(mse)(packed, x, t, RNG)
-    ref_loss, ref_grads, _ = jp.reference_value_and_grad(
-        [model], [native], mse, x, t, data=2, num_microbatches=2, rng=RNG)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    _close(split.unpack({**packed, "params": grads})["params"], ref_grads[0], "grads")
+    split, packed, loss = _split_matches_reference(model, model.init(jax.random.key(0), x[:2]),
+                                                   x, t)
     assert float(loss) != float(split.value_and_grad(mse)(packed, x, t, jax.random.key(8))[0])
     with pytest.raises(ValueError, match="stream names are non-empty strings"):
         declare_rng_streams(model, "")

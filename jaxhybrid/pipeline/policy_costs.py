@@ -78,8 +78,6 @@ def policy_stage_kept(layers: Sequence, per_layer: Sequence[dict], x, start: int
     return bytes_by_dtype([kept[i] for i in stash])
 
 
-
-
 def _stage_flops(layers: Sequence, params, state, x, start: int, stop: int, remat: str,
                  backward: bool) -> float:
     """XLA's FLOPs of the lowered stage [start, stop) under `remat`: its forward, or its
