@@ -120,6 +120,23 @@ def _records_until(path: pathlib.Path, step: int) -> list[str]:
     return kept
 
 
+def throughput(steps_per_sec: float, batch_size: int, step_flops: float | None,
+               devices: list) -> dict:
+    """The speed fields of a metrics record: examples/s, and where the step's model FLOPs
+    are known (`Pipeline.model_flops`), the model TFLOP/s of all `devices` together and,
+    on accelerators, model FLOPs utilization: that over `devices`' summed peaks
+    (`plan.costs.device_peak`: the device kind's dense bf16 datasheet peak). A CPU's
+    peak is a guess, and simulated devices share its cores: no utilization there."""
+    out = {"examples_per_sec": steps_per_sec * batch_size}
+    if step_flops:
+        from jaxhybrid.plan.layer_cost import device_peak
+        achieved = step_flops * steps_per_sec
+        out["model_tflops"] = achieved / 1e12
+        if all(d.platform != "cpu" for d in devices):
+            out["mfu"] = achieved / sum(device_peak(d)[0] for d in devices)
+    return out
+
+
 class MetricWriter:
     """One JSON object per logged step in workdir/metrics.jsonl, the same scalars as
     TensorBoard events in workdir, and a line in the log. On resume, records after the

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from jaxhybrid import checkpoint, data, distributed, portable, startup, step_memory, stopping
 from jaxhybrid import workdir as workdir_
-from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate
+from jaxhybrid.metrics import MetricWriter, ProfilerTrace, evaluate, throughput
 from jaxhybrid.optim import (global_norm, learning_rate_schedule, make_optimizer, norm_weights,
                              weight_decay_mask)
 from jaxhybrid.pipeline import async_weights
@@ -282,6 +282,7 @@ class _Begun:
     # resume averages them with the new ones, as the uninterrupted run did (it averaged
     # only the steps since the checkpoint when checkpoint.every was off log_every's grid).
     loss_window: tuple = ()
+    step_flops: float | None = None   # model FLOPs of one step (None: not profiled)
 
 
 def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) -> _Begun:
@@ -320,6 +321,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
                      pipe.data, pipe.pipe_size, pipe.model, jax.process_count(),
                      pipe.num_stages, pipe.boundaries, pipe.plan.summary() if planned else "")
     masks = masks or _masks(pipe, t, variables)
+    # From the costs the plan was made of (profiling only for this would slow start-up).
+    step_flops = pipe.model_flops(t.batch_size) if planned else None
     state = initial_state(pipe, t, variables, masks)
     if train_step is None:
         # A split model or a model axis (initialised here, not in the background): its
@@ -347,7 +350,8 @@ def _begin(run: Run, config, phases, main: bool, ckpt: checkpoint.Checkpointer) 
                                 "from step %d on; steps 1-%d followed the old one.",
                                 t.steps, meta["train_steps"], start + 1, start)
     phases.stop("init")
-    return _Begun(run, state, masks, train_step, start, train_rng, ckpt, loss_window)
+    return _Begun(run, state, masks, train_step, start, train_rng, ckpt, loss_window,
+                  step_flops)
 
 
 def _compile_while_initialising(run: Run, t, layer_init: startup.LayerInit, phases, rng,
@@ -445,6 +449,8 @@ def _train_steps(b: _Begun, config, workdir: pathlib.Path, phases, writer) -> di
                           "learning_rate": float(schedule(step - 1)),
                           "grad_norm": m["grad_norm"], "param_norm": m["param_norm"],
                           "steps_per_sec": timed / max(time.time() - tick, 1e-9)}
+                record.update(throughput(record["steps_per_sec"], t.batch_size,
+                                         b.step_flops, list(run.mesh.devices.flat)))
                 window, timed = [], 0
             # Saved before the evaluation: an evaluation that fails (a model whose outputs
             # the metrics cannot take) lost every step since the last checkpoint.

@@ -77,6 +77,11 @@ def test_every_config_runs_two_steps_at_tiny_size(tmp_path, name, overrides, cap
     assert np.isfinite(final["train_loss"]) and np.isfinite(final["eval_loss"])
     assert final["eval_loss"] > 0
     assert (tmp_path / "checkpoints" / "2").is_dir()
+    assert final["examples_per_sec"] == pytest.approx(final["steps_per_sec"] * 16)
+    # Model FLOPs from the costs the planner profiled (explicit boundaries: none, and
+    # no profiling for them); no utilization on CPU, whose peak is a guess.
+    assert ("model_tflops" in final) == (config.pipeline.boundaries is None)
+    assert final.get("model_tflops", 1.0) > 0 and "mfu" not in final
 
 
 def test_pipelined_run_follows_the_data_parallel_run(tmp_path):
@@ -463,7 +468,7 @@ def test_a_signal_during_a_step_stops_after_it_and_saves_it(reference, tmp_path,
     assert checkpoint.Checkpointer(tmp_path / "checkpoints", keep=2).latest_step() == at
     assert sorted(losses(tmp_path)) == sorted(s for s in losses(reference[0]) if s <= at)
     if at == 6:
-        timed = ("wall_time_s", "steps_per_sec")
+        timed = ("wall_time_s", "steps_per_sec", "examples_per_sec", "model_tflops")
         assert {k: v for k, v in final.items() if k not in timed} == \
             {k: v for k, v in reference[1].items() if k not in timed}
         return

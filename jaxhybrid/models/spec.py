@@ -239,7 +239,9 @@ def _subjaxprs(params: dict):
                 yield v.jaxpr
 
 
-def _jaxpr_flops(jaxpr) -> float:
+def _jaxpr_flops(jaxpr, loops_once: bool = False) -> float:
+    """Matmul + convolution FLOPs of `jaxpr`: a scan's body `length` times (once with
+    `loops_once`, as XLA's cost analysis counts a loop's body), a cond's dearest branch."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -253,11 +255,11 @@ def _jaxpr_flops(jaxpr) -> float:
             out_ch = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_ch
         else:
-            inner = [_jaxpr_flops(j) for j in _subjaxprs(eqn.params)]
+            inner = [_jaxpr_flops(j, loops_once) for j in _subjaxprs(eqn.params)]
             if name == "cond":                       # one branch runs
                 total += max(inner, default=0.0)
             else:                                    # scan runs its body `length` times
-                total += sum(inner) * eqn.params.get("length", 1)
+                total += sum(inner) * (1 if loops_once else eqn.params.get("length", 1))
     return total
 
 

@@ -27,6 +27,17 @@ class PipelinePlanning:
         return (profile_cached(self.layers, self._sample) if self.splitter is None
                 else self.splitter.costs(self._sample))   # lowered pieces, no compiles
 
+    def model_flops(self, rows: int) -> float:
+        """FLOPs of one forward and backward pass of every layer over `rows` examples:
+        XLA's cost analysis of each layer as profiled for the plan (cached; profiled now
+        if the plan was not made from costs), recomputation not counted -- the "model
+        FLOPs" of model FLOPs utilization. Call after `make_plan` (or `init`)."""
+        if self._sample is None:
+            raise ValueError("Pipeline.model_flops: call pipe.make_plan(sample_inputs) (or "
+                             "pipe.init) first: the layers are profiled on its sample.")
+        return float(sum((c.fwd_flops + c.bwd_flops) * rows / c.batch_size
+                         for c in self._layer_costs()))
+
     def _make_plan(self, fixed: bool, costs=None):
         from jaxhybrid import plan as planner   # plan/ never imports pipeline/
         from jaxhybrid.plan.calibration import stored_hardware

@@ -20,12 +20,13 @@ import numpy as np
 from jaxhybrid.plan.layer_cost import COST_FIELDS, LayerCost
 
 # Bump when what `profile` computes changes, so old cache entries are not reused.
-COST_FORMAT = 10  # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
+COST_FORMAT = 11  # 3: the model-axis fields; 4: backward temporaries, residuals by dtype;
 #                   5: residuals the backward recomputes cheaply are not counted;
 #                   6: a split backward's crossing values and W's residuals;
 #                   7: float parameters by dtype; 8: residuals shared with the layer before;
 #                   9: crossing values and float parameters as whole values;
-#                   10: the cores a measured layer kept busy (fwd_threads, bwd_threads)
+#                   10: the cores a measured layer kept busy (fwd_threads, bwd_threads);
+#                   11: FLOPs: scans' iterations all counted; on GPUs convolutions too
 _cache_dir: str | None = os.environ.get("JAXHYBRID_CACHE_DIR") or None
 
 

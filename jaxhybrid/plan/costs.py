@@ -101,8 +101,36 @@ def xla_cost(compiled) -> tuple[float, float]:
 
 # Compiled only to read XLA's cost analysis (after its HLO passes, fusion included): the
 # backend's code generation may skip its optimisations, which halves the compile time on
-# CPU and leaves FLOPs and bytes unchanged.
-_COST_ONLY = {"xla_backend_optimization_level": 0}
+# CPU and leaves FLOPs and bytes unchanged; on GPUs no autotuning (of cuDNN convolutions,
+# GEMMs): it timed kernels for every layer, and planning the default Inception-V3 job
+# took 67 s on an H200.
+_COST_ONLY = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
+
+
+def flops_and_bytes(traced, compiled) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) of a layer's function (`traced`, `compiled`): XLA's cost
+    analysis of the compiled module (bytes after its fusion), corrected where it counts
+    short. It counts a loop's body once: a layer that scans over time (an LSTM) gets
+    its scans' other iterations' matmuls from the jaxpr. And a GPU's compiled module
+    hands convolutions to cuDNN as custom calls whose FLOPs it leaves out (an H200
+    profiled the Inception-V3 step at 1/22 of its FLOPs; jax analyses no lowered module
+    on GPUs): there the FLOPs are at least the jaxpr's matmuls and convolutions."""
+    from jaxhybrid.models.spec import _jaxpr_flops
+    flops, nbytes = xla_cost(compiled)
+    jaxpr = traced.jaxpr.jaxpr
+    counted = _jaxpr_flops(jaxpr)
+    flops += counted - _jaxpr_flops(jaxpr, loops_once=True)
+    if _platform(compiled) != "cpu":
+        flops = max(flops, counted)
+    return flops, nbytes
+
+
+def _platform(compiled) -> str:
+    try:
+        return compiled.runtime_executable().client.platform
+    except Exception:   # no such attribute in this jax: the default backend's
+        import jax
+        return jax.default_backend()
 
 
 def _compile(lowered, run: bool):
@@ -293,7 +321,8 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
         return apply_layer(layer, v, xx, train=train, rng=drop)
 
     with tensor_parallel.watch() as asked:   # a layer written for tensor parallelism asks
-        fwd_lowered = jax.jit(fwd).lower(lvars, x)
+        fwd_traced = jax.jit(fwd).trace(lvars, x)
+        fwd_lowered = fwd_traced.lower()
     fwd_c = _compile(fwd_lowered, True) if measure else None
     y = fwd_c(lvars, x)[0] if measure else jax.eval_shape(fwd, lvars, x)[0]
 
@@ -314,10 +343,11 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                      [(n_p + j, k) for j, k in enumerate(fidx)]
                      + [(n_p + len(fidx) + n_s + k, k) for k in range(len(x_leaves))], y_float)
     split = split_backward_bytes(forward_vjp, (params, xf, state, x_leaves)) if yf else {}
-    bwd_lowered = ct = None
+    bwd_lowered = bwd_traced = ct = None
     if yf:
         ct = [jnp.ones(l.shape, l.dtype) if measure else l for l in yf]
-        bwd_lowered = jax.jit(lambda vf, c: vf(c)).lower(vjp_fn, ct)
+        bwd_traced = jax.jit(lambda vf, c: vf(c)).trace(vjp_fn, ct)
+        bwd_lowered = bwd_traced.lower()
     shapes = dict(param_bytes=_nbytes(params), param_count=_count(params),
                   in_bytes=_nbytes(x), out_bytes=_nbytes(y),
                   saved_bytes=int(saved.get("bytes", 0)), saved_bytes_remat=_nbytes(x),
@@ -333,12 +363,12 @@ def _layer_cost(layer, lvars, x, drop, diff_inputs: bool, *, train, measure, tim
                                 boxed_params=boxed_params, asks_degree=bool(asked)))
 
     def compiled_costs() -> dict:
-        fwd_flops, fwd_bytes = xla_cost(fwd_c or _compile(fwd_lowered, False))
+        fwd_flops, fwd_bytes = flops_and_bytes(fwd_traced, fwd_c or _compile(fwd_lowered, False))
         bwd_flops = bwd_bytes = bwd_time = 0.0
         bwd_temp, fwd_threads, bwd_threads = 0, 1.0, 1.0
         if bwd_lowered is not None:
             bwd_c = _compile(bwd_lowered, measure)
-            bwd_flops, bwd_bytes = xla_cost(bwd_c)
+            bwd_flops, bwd_bytes = flops_and_bytes(bwd_traced, bwd_c)
             bwd_temp = _temp_bytes(bwd_c)
             if measure:
                 bwd_time, bwd_threads = layer_time(
