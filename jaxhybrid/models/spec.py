@@ -240,8 +240,9 @@ def _subjaxprs(params: dict):
 
 
 def _jaxpr_flops(jaxpr, loops_once: bool = False) -> float:
-    """Matmul + convolution FLOPs of `jaxpr`: a scan's body `length` times (once with
-    `loops_once`, as XLA's cost analysis counts a loop's body), a cond's dearest branch."""
+    """Matmul + convolution FLOPs of `jaxpr`: a scan's body `length` times (with
+    `loops_once`, the copies XLA's cost analysis counts: its loop body holds `unroll`
+    of them, and the remainder runs outside), a cond's dearest branch."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -251,16 +252,40 @@ def _jaxpr_flops(jaxpr, loops_once: bool = False) -> float:
             k = math.prod(lhs[d] for d in lhs_contract)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
         elif name == "conv_general_dilated":
-            rhs = eqn.invars[1].aval.shape
-            out_ch = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_ch
+            total += _conv_flops(eqn)
         else:
             inner = [_jaxpr_flops(j, loops_once) for j in _subjaxprs(eqn.params)]
             if name == "cond":                       # one branch runs
                 total += max(inner, default=0.0)
             else:                                    # scan runs its body `length` times
-                total += sum(inner) * (1 if loops_once else eqn.params.get("length", 1))
+                total += sum(inner) * _body_copies(eqn.params, loops_once)
     return total
+
+
+def _body_copies(params: dict, loops_once: bool) -> int:
+    length = params.get("length", 1)
+    if not loops_once:
+        return length
+    unroll = params.get("unroll", 1)
+    unroll = length if unroll is True else max(int(unroll), 1)
+    return min(length, unroll + length % unroll)
+
+
+def _conv_flops(eqn) -> float:
+    """2 x the multiply-adds of a convolution whose kernel taps fall on the input: none
+    for the padding, nor for the zeros `lhs_dilation` puts between input elements (a
+    strided convolution's input gradient; counted, they made it ~s^d times too dear)."""
+    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    out = eqn.outvars[0].aval.shape
+    taps = 1
+    for d, (ld, rd, od) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:])):
+        stride, (lo, _) = p["window_strides"][d], p["padding"][d]
+        ldil = (p.get("lhs_dilation") or (1,) * len(out))[d]
+        rdil = (p.get("rhs_dilation") or (1,) * len(out))[d]
+        pos = (np.arange(out[od])[:, None] * stride + np.arange(rhs[rd])[None, :] * rdil - lo)
+        taps *= int(np.sum((pos >= 0) & (pos <= (lhs[ld] - 1) * ldil) & (pos % ldil == 0)))
+    return 2.0 * out[dn.out_spec[0]] * out[dn.out_spec[1]] * rhs[dn.rhs_spec[1]] * taps
 
 
 def forward_flops(layers: Sequence[nn.Module], inputs: PyTree) -> float:
