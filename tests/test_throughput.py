@@ -3,7 +3,6 @@ layers' profiled costs) and `metrics.throughput` (examples/s, model TFLOP/s, MFU
 import types
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import pytest
 
