@@ -125,6 +125,17 @@ def test_policy_stages_time_what_their_backward_runs_again():
     assert "its backward runs 100% of its forward again" in nothing.summary()
 
 
+def test_policy_recompute_is_priced_where_no_lowered_module_is_analysed(monkeypatch):
+    # On GPUs jax analyses no lowered module (`Lowered.cost_analysis()` is None under the
+    # PJRT plugin, seen on an H200): every policy stage was priced as recomputing
+    # nothing. The jaxpr's matmuls count there.
+    from jaxhybrid.plan import costs as plan_costs
+    monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
+    monkeypatch.setattr(plan_costs, "_platform", lambda compiled: "gpu")
+    nothing = _plan("nothing_saveable")
+    assert nothing.stage_policy_recompute[:3] == pytest.approx([1.0] * 3)
+
+
 def test_auto_runs_a_policy_where_it_fits_and_is_faster(monkeypatch):
     """remat="auto" under a budget that recomputing nothing misses and dots_saveable
     meets: the stages that recompute run under dots_saveable (it recomputes elementwise

@@ -207,8 +207,8 @@ def test_split_model_piece_costs_cached_on_disk(tmp_path, monkeypatch):
         costs_mod.set_cache_dir(tmp_path)
         first = piece_mod.piece_costs(split, X)
         analysed = []
-        real = piece_mod._lowered_cost
-        monkeypatch.setattr(piece_mod, "_lowered_cost",
+        real = piece_mod.lowered_cost
+        monkeypatch.setattr(piece_mod, "lowered_cost",
                             lambda *a: analysed.append(1) or real(*a))
         again = piece_mod.piece_costs(split, X)
     finally:

@@ -27,7 +27,7 @@ from jaxhybrid.pipeline.backward import Residuals
 from jaxhybrid.pipeline.layouts import stage_forward
 from jaxhybrid.pipeline.runtime import Stage
 from jaxhybrid.pipeline.stages import StageProgram, merge_float, split_float
-from jaxhybrid.plan.costs import xla_cost
+from jaxhybrid.plan.costs import lowered_cost
 from jaxhybrid.plan.residuals import bytes_by_dtype
 
 
@@ -80,10 +80,12 @@ def policy_stage_kept(layers: Sequence, per_layer: Sequence[dict], x, start: int
 
 def _stage_flops(layers: Sequence, params, state, x, start: int, stop: int, remat: str,
                  backward: bool) -> float:
-    """XLA's FLOPs of the lowered stage [start, stop) under `remat`: its forward, or its
-    forward and backward (w.r.t. its float parameters and inputs) with the forward's
-    output kept, as the pipeline sends it on (dropped, the forward was dead code and a
-    stage recomputed whole cost what one recomputing nothing does)."""
+    """FLOPs of the lowered stage [start, stop) under `remat` (`plan.costs.lowered_cost`;
+    on GPUs, where jax analyses no lowered module, every stage was priced as recomputing
+    nothing): its forward, or its forward and backward (w.r.t. its float parameters and
+    inputs) with the forward's output kept, as the pipeline sends it on (dropped, the
+    forward was dead code and a stage recomputed whole cost what one recomputing nothing
+    does)."""
     program = StageProgram(index=0, start=start, stop=stop, stage_remat=remat)
     floats, others, mask = split_float((params, x))
     treedef = jax.tree.structure((params, x))
@@ -97,8 +99,8 @@ def _stage_flops(layers: Sequence, params, state, x, start: int, stop: int, rema
         out, pull = jax.vjp(lambda f: forward(f, rest, st, key), fl)
         return out, pull([jnp.ones_like(o) for o in out])
 
-    run = jax.jit(forward_backward if backward else forward)
-    return xla_cost(run.lower(floats, others, state, _KEY))[0]
+    return lowered_cost(forward_backward if backward else forward, floats, others, state,
+                        _KEY)[0]
 
 
 def policy_stage_recompute(layers: Sequence, per_layer: Sequence[dict], x, start: int,

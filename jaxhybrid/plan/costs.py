@@ -125,6 +125,16 @@ def flops_and_bytes(traced, compiled) -> tuple[float, float]:
     return flops, nbytes
 
 
+def lowered_cost(fn, *args) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) of `fn` jitted and lowered on `args` (arrays or
+    ShapeDtypeStructs), nothing compiled: XLA's analysis of the lowered module (before its
+    passes: a jax.checkpoint's recomputation still there), with `flops_and_bytes`'
+    corrections (on GPUs jax analyses no lowered module: the jaxpr's count)."""
+    import jax
+    traced = jax.jit(fn).trace(*args)
+    return flops_and_bytes(traced, traced.lower())
+
+
 def _platform(compiled) -> str:
     try:
         return compiled.runtime_executable().client.platform

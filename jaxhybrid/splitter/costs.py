@@ -32,7 +32,7 @@ import re
 from jaxhybrid.checks import is_float
 from jaxhybrid.plan import cost_cache
 from jaxhybrid.plan import costs as plan_costs
-from jaxhybrid.plan.costs import LayerCost, device_peak, roofline_time
+from jaxhybrid.plan.costs import LayerCost, device_peak, lowered_cost, roofline_time
 from jaxhybrid.plan.residuals import (bytes_by_dtype, dtype_and_bytes, split_backward_bytes,
                                      stashed_bytes, stashed_io, whole_values)
 
@@ -117,10 +117,10 @@ def piece_costs(split, sample, *, train: bool = True) -> list[LayerCost]:
             except (OSError, ValueError):
                 pass
         if sig not in seen:
-            f_flops, f_bytes = _lowered_cost(fwd, avals)
+            f_flops, f_bytes = lowered_cost(fwd, *avals)
             b_flops = b_bytes = 0.0
             if diff and any(is_float(prog.avals[i]) for i in outs):
-                t_flops, t_bytes = _lowered_cost(fwd_bwd, avals)
+                t_flops, t_bytes = lowered_cost(fwd_bwd, *avals)
                 b_flops, b_bytes = max(t_flops - f_flops, 0.0), max(t_bytes - f_bytes, 0.0)
             seen[sig] = (f_flops, f_bytes, b_flops, b_bytes,
                          _residuals(fwd, avals, diff, len(var_ids), outs, prog))
@@ -218,12 +218,3 @@ def _residuals(fwd, avals, diff, num_vars: int, outs, prog) -> dict:
             "cross_values": split.get("cross_values", []),
             "io": [(where, n, rec[1]) for where in ("in", "out") for n, rec in io[where].items()],
             "bwd_temp": bwd_temp}
-
-
-def _lowered_cost(fn, avals) -> tuple[float, float]:
-    """(FLOPs, bytes) of `fn` lowered on `avals`, nothing compiled (`plan.costs.
-    flops_and_bytes`: scans' iterations all counted; on GPUs, where jax analyses no
-    lowered module, the jaxpr's matmuls and convolutions)."""
-    traced = jax.jit(fn).trace(*avals)
-    return plan_costs.flops_and_bytes(traced, traced.lower())
-
