@@ -128,9 +128,42 @@ def _leaf_sum(a: jax.Array) -> jax.Array:
 _tree_sums = jax.jit(lambda leaves: [_leaf_sum(a) for a in leaves])
 
 
+def _host_leaf_sum(a: np.ndarray) -> int:
+    """`_leaf_sum` in numpy (uint32 products and sums wrap mod 2**32 as XLA's do)."""
+    if a.dtype == np.bool_:
+        a = a.astype(np.uint8)
+    if np.iscomplexobj(a):
+        a = np.stack([a.real, a.imag], -1)
+    a = np.ascontiguousarray(a)
+    # Row-major words: a 64-bit element is two uint32 words, low first, as XLA's
+    # bitcast to a narrower type appends them in a last dimension.
+    w = a.reshape(-1).view(f"uint{min(a.dtype.itemsize * 8, 32)}").astype(np.uint32)
+    index = np.arange(w.size, dtype=np.uint64).astype(np.uint32)   # mod 2**32
+    return int(np.sum(w * (index * np.uint32(2) + np.uint32(1)), dtype=np.uint32))
+
+
+def _on_host(leaf) -> np.ndarray | None:
+    """The leaf's value in numpy where it is cheap to read whole (a host-CPU array held by
+    this process), else None."""
+    if isinstance(leaf, np.ndarray):
+        return leaf
+    if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and all(
+            d.platform == "cpu" for d in leaf.sharding.device_set):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+    return None
+
+
 def checksums(tree: PyTree) -> dict:
-    """{leaf path: checksum} of a portable tree of jax arrays (every process calls it)."""
+    """{leaf path: checksum} of a portable tree of jax arrays (every process calls it).
+    Computed in numpy when every leaf is a host-CPU array this process holds whole:
+    jitted, XLA CPU compiled one reduction per leaf (Inception-V3 tiny with Adam, ~1,400
+    leaves: 13.5 s at a run's first checkpoint, on 2 cores); else on the devices."""
     flat = jax.tree_util.tree_leaves_with_path(tree)
+    host = [_on_host(a) for _, a in flat]
+    if all(h is not None for h in host):
+        return {_path(p): _host_leaf_sum(h) for (p, _), h in zip(flat, host)}
     sums = _tree_sums([a for _, a in flat])
     return {_path(p): int(np.asarray(s.addressable_data(0))) for (p, _), s in zip(flat, sums)}
 
