@@ -505,7 +505,7 @@ class Pipeline(PipelinePlanning, PipelineVariables):
                 rng_arg.shape, rng_arg.dtype) if rng is not None else None)
             body = programs.forward_program(self.engine(), lay,
                                             self._control(forward_schedule(self.schedule)),
-                                            train, rng is not None)
+                                            rng is not None)
             state = {c: variables[c] for c in self.state_collections}
             params = (variables["params"] if self.splitter is None
                       else self.splitter.tie_params(self, variables["params"]))

@@ -23,7 +23,7 @@ from jaxhybrid.pipeline.stages import microbatch_loss
 from jaxhybrid.pipeline.tables import COL, ControlTable
 
 
-def _output_branch(eng: Engine, lay: StageLayouts, k: int, train: bool, has_rng: bool):
+def _output_branch(eng: Engine, lay: StageLayouts, k: int, has_rng: bool):
     K, stage = len(eng.stages), eng.stages[k]
     out_len = lay.act[K].size_of
 
@@ -32,25 +32,24 @@ def _output_branch(eng: Engine, lay: StageLayouts, k: int, train: bool, has_rng:
         state = {c: packing.unpack(l, st_bufs[c]) for c, l in stage.state.items()}
         # What the stage reads, read here (`runtime.forward_branch`).
         x = _take(inputs, m) if k == 0 else packing.unpack(lay.act[k], _row(act_in, slot))
-        y, _ = stage.apply(params, state, x, train=train, rng=rng if has_rng else None,
-                           microbatch=gmb)
+        y = lay.forwards[k](params, state, x, rng if has_rng else None, gmb)
         if k == K - 1:
             return packing.zeros(lay.act_len), packing.pack(lay.act[K], y, out_len)
         return packing.pack(lay.act[k + 1], y, lay.act_len), packing.zeros(out_len)
     return run
 
 
-def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, train: bool,
-                    has_rng: bool):
+def forward_program(eng: Engine, lay: StageLayouts, ctl: ControlTable, has_rng: bool):
     """(params, state, inputs, rng) -> outputs of the last stage (`_merge_microbatches`);
-    state is not updated. ctl: a table with F tasks only (`schedules.forward_schedule`)."""
+    state is not updated. ctl: a table with F tasks only (`schedules.forward_schedule`);
+    lay: `forward_layouts`, whose stage forwards (traced in train mode or not) it runs."""
     K, M = len(eng.stages), eng.num_microbatches
     out_len = lay.act[K].size_of
 
     def idle(p_bufs, st_bufs, act_in, inputs, slot, m, gmb, rng):
         return packing.zeros(lay.act_len), packing.zeros(out_len)
 
-    branches = [idle] + [_output_branch(eng, lay, k, train, has_rng) for k in range(K)]
+    branches = [idle] + [_output_branch(eng, lay, k, has_rng) for k in range(K)]
 
     def per_device(p_bufs, st_bufs, inputs, rng):
         s, d = lax.axis_index(PIPE), lax.axis_index(DATA)
