@@ -177,15 +177,12 @@ def check_layer_remat(sched, eng, mb_inputs, train: bool, rng) -> None:
     it with its own weights, silently (a probe: parameters 2.7e-2 off after 3 steps)."""
     if sched.weights not in ("newest", "predict-v1"):
         return
-    from jaxhybrid import tensor_parallel
-    from jaxhybrid.pipeline.layouts import boundary_trees
-    stale, trees = staleness(sched), boundary_trees(eng, mb_inputs, train, rng)
+    from jaxhybrid.pipeline.layouts import stage_forwards
+    stale, (_, forwards) = staleness(sched), stage_forwards(eng, mb_inputs, train, rng)
     for k, stage in enumerate(eng.stages):
         if stale[k] == 0:
             continue
-        closed = tensor_parallel.make_jaxpr(lambda p, st, x, key, stage=stage: stage.apply(
-            p, st, x, train=train, rng=key, microbatch=0)[0])(
-            stage.abstract_params, stage.abstract_state, trees[k], rng)
+        closed = forwards[k].closed
         params = closed.jaxpr.invars[:len(jax.tree.leaves(stage.abstract_params))]
         if _recomputes_from(closed.jaxpr, set(params)):
             raise ValueError(f"Pipeline: schedule {sched.name!r} runs a backward on other "

@@ -32,7 +32,7 @@ class TracedForward:
     equations) instead of tracing the stage's Flax modules again, which is most of the
     time to trace a step (Inception-V3: ~0.3 s per stage on a 2-core CPU host)."""
     closed: Any          # ClosedJaxpr of stage_forward(params, state, x, tgt, rng, gmb)
-    #                      (training), or of the stage's output (`forward_layouts`)
+    #                      (training), or of the stage's output (`stage_forwards`)
     out_tree: Any        # treedef of its (output, residuals, new state, other leaves)
 
     def __call__(self, *args):
@@ -141,15 +141,27 @@ def abstract_value(a) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
+def stage_forwards(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> tuple[list, list]:
+    """Every stage's forward, (params, state, x, rng, gmb) -> output, traced in order on
+    one microbatch (no FLOPs) at the layers' local shapes (the caller binds the "model"
+    degree): (abstract input of every stage and the model's output, [x_0, ..., x_K];
+    each stage's `TracedForward`, which forward-only programs replay)."""
+    trees, forwards = [mb_inputs], []
+    gmb = jax.ShapeDtypeStruct((), jnp.int32)
+    for stage in eng.stages:
+        def run(params, state, x, key, gmb, stage=stage):
+            return stage.apply(params, state, x, train=train, rng=key, microbatch=gmb)[0]
+        closed, y = tensor_parallel.make_jaxpr(run, return_shape=True)(
+            stage.abstract_params, stage.abstract_state, trees[-1], rng, gmb)
+        trees.append(y)
+        forwards.append(TracedForward(closed, jax.tree.structure(y)))
+    return trees, forwards
+
+
 def boundary_trees(eng: Engine, mb_inputs: PyTree, train: bool, rng) -> list:
     """Abstract input of every stage and the model's output, [x_0, ..., x_K], for one
     microbatch (no FLOPs)."""
-    trees = [mb_inputs]
-    for stage in eng.stages:
-        trees.append(tensor_parallel.eval_shape(lambda p, st, x, key, stage=stage: stage.apply(
-            p, st, x, train=train, rng=key, microbatch=0)[0],
-            stage.abstract_params, stage.abstract_state, trees[-1], rng))
-    return trees
+    return stage_forwards(eng, mb_inputs, train, rng)[0]
 
 
 def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, train: bool,
@@ -211,20 +223,11 @@ def stage_layouts(eng: Engine, mb_inputs: PyTree, mb_targets: PyTree, loss_fn, t
 
 
 def forward_layouts(eng: Engine, mb_in: PyTree, train: bool, rng) -> StageLayouts:
-    """Boundary layouts for forward-only runs (no residuals needed), and each stage's
-    forward, (params, state, x, rng, gmb) -> output, traced once here at the layers'
-    local shapes (the caller binds the "model" degree): the program replays these
-    (`forwards`) instead of tracing every stage's Flax modules a second time
-    (Inception-V3 tiny's evaluation step traced in 7.3 s, half of it twice over)."""
-    trees, forwards = [mb_in], []
-    gmb = jax.ShapeDtypeStruct((), jnp.int32)
-    for stage in eng.stages:
-        def run(params, state, x, key, gmb, stage=stage):
-            return stage.apply(params, state, x, train=train, rng=key, microbatch=gmb)[0]
-        closed, y = tensor_parallel.make_jaxpr(run, return_shape=True)(
-            stage.abstract_params, stage.abstract_state, trees[-1], rng, gmb)
-        trees.append(y)
-        forwards.append(TracedForward(closed, jax.tree.structure(y)))
+    """Boundary layouts for forward-only runs (no residuals needed), with each stage's
+    forward traced once (`stage_forwards`): the program replays those jaxprs instead of
+    tracing every stage's Flax modules a second time (Inception-V3 tiny's evaluation
+    step traced in 7.3 s, half of it twice over)."""
+    trees, forwards = stage_forwards(eng, mb_in, train, rng)
     internal, act_len = packing.shared_layouts(trees[1:-1], whole_min=None)
     return StageLayouts(
         act=[packing.layout_of(trees[0]), *internal, packing.layout_of(trees[-1])],
